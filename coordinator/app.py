@@ -1,0 +1,180 @@
+"""Assembly of the coordinator's aiohttp application and its background work.
+
+Owns the configuration, the `cleanup_ctx` steps (database, DHT bootstrap peer, the supervisor loop) and the
+loop itself: marking silent nodes offline, losing their assignments, running the matcher, and forgetting
+expired nonces. Request handling lives in `views`; this module only wires things together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from gpuswarm.coordinator import views
+from gpuswarm.coordinator.config import ADVERTS, CONFIG, DHT, DHT_PEERS, SESSIONS, WAKE, CoordinatorConfig
+from gpuswarm.coordinator.db import (
+    AssignmentRow,
+    Job,
+    JobEvent,
+    Node,
+    create_schema,
+    forget_expired_nonces,
+    make_engine,
+    sessionmaker,
+)
+from gpuswarm.coordinator.errors import error_middleware
+from gpuswarm.coordinator.matcher import JobView, NodeView, match
+from gpuswarm.proto.models import AssignmentState, JobSpec, JobState, Resources
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+logger = logging.getLogger(__name__)
+
+
+async def _database(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    config.artifact_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(config.db_url)
+    try:
+        await create_schema(engine)
+        app[SESSIONS] = sessionmaker(engine)
+        yield
+    finally:
+        await engine.dispose()
+
+
+async def _dht(app: web.Application) -> AsyncIterator[None]:
+    """The swarm's bootstrap peer. Nodes learn its multiaddrs at registration; it also validates node adverts."""
+    config = app[CONFIG]
+    app[ADVERTS] = {}
+    if not config.start_dht:
+        app[DHT_PEERS] = []
+        yield
+        return
+    import hivemind
+    from gpuswarm.proto.dht import NodeAdvertValidator
+
+    loop = asyncio.get_running_loop()
+    dht = await loop.run_in_executor(None, lambda: hivemind.DHT(
+        host_maddrs=[f"/ip4/{config.dht_host}/tcp/{config.dht_port}"], start=True,
+        record_validators=[NodeAdvertValidator()],
+    ))
+    app[DHT_PEERS] = [str(m) for m in dht.get_visible_maddrs()]
+    app[DHT] = dht
+    logger.info("DHT bootstrap peer at %s", ", ".join(app[DHT_PEERS]))
+    try:
+        yield
+    finally:
+        await loop.run_in_executor(None, dht.shutdown)
+
+
+async def _supervisor(app: web.Application) -> AsyncIterator[None]:
+    app[WAKE] = asyncio.Event()
+    task = asyncio.create_task(supervise(app), name="coordinator-supervisor")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=5)
+
+
+async def supervise(app: web.Application) -> None:
+    """Run `tick` every loop_interval, or sooner when a request wakes it. One failed tick never ends the loop."""
+    config = app[CONFIG]
+    last_observe = 0.0
+    while True:
+        try:
+            await tick(app[SESSIONS], config, time.time())
+            if DHT in app and time.monotonic() - last_observe > 5.0:
+                last_observe = time.monotonic()
+                app[ADVERTS] = await observe_adverts(app[DHT])
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("supervisor tick failed; retrying")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(app[WAKE].wait(), timeout=config.loop_interval)
+        app[WAKE].clear()
+
+
+async def observe_adverts(dht) -> dict:
+    """The node adverts currently live in the DHT, by node id (validated by the DHT's record validator)."""
+    from gpuswarm.proto.dht import NODES_KEY, decode_advert
+
+    found = await asyncio.get_running_loop().run_in_executor(None, lambda: dht.get(NODES_KEY, latest=True))
+    adverts = {}
+    if found is not None and isinstance(found.value, dict):
+        for node_id, item in found.value.items():
+            with contextlib.suppress(Exception):
+                advert = decode_advert(item.value).model_dump(mode="json")
+                adverts[node_id] = advert | {"dht_expiry": item.expiration_time}
+    return adverts
+
+
+async def tick(sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig, now: float) -> list:
+    """One pass of the coordinator's bookkeeping. Returns the matches it made (for tests and logs)."""
+    async with sessions.begin() as session:
+        await _lose_silent_nodes(session, config, now)
+        matches = await _match(session, config, now)
+        await forget_expired_nonces(session, now)
+    return matches
+
+
+async def _lose_silent_nodes(session: AsyncSession, config: CoordinatorConfig, now: float) -> None:
+    silent = (await session.scalars(
+        select(Node).where(Node.online.is_(True), Node.last_seen < now - config.node_timeout)
+    )).all()
+    for node in silent:
+        node.online = False
+        node.state = "offline"
+        lost = (await session.scalars(select(AssignmentRow).where(
+            AssignmentRow.node_id == node.id, AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
+        for a in lost:
+            a.state, a.ended_at, a.reason = AssignmentState.LOST.value, now, "node stopped heart-beating"
+            session.add(JobEvent(job_id=a.job_id, at=now, message=f"node {node.id} lost (no heartbeat for "
+                                 f"{now - node.last_seen:.0f}s); looking for a replacement"))
+        logger.warning("node %s is offline; %d assignment(s) lost", node.id, len(lost))
+
+
+async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -> list:
+    jobs = (await session.scalars(
+        select(Job).where(Job.state.in_([JobState.PENDING.value, JobState.RUNNING.value])))).all()
+    if not jobs:
+        return []
+    active = (await session.scalars(
+        select(AssignmentRow).where(AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
+    busy = {a.node_id for a in active}
+    shards: dict[str, set[int]] = {}
+    for a in active:
+        shards.setdefault(a.job_id, set()).add(a.shard_index)
+    nodes = (await session.scalars(select(Node).where(Node.online.is_(True)))).all()
+    node_views = [NodeView(n.id, Resources.model_validate(n.resources), n.price_per_gpu_hour, n.last_seen,
+                           n.id in busy) for n in nodes]
+    job_views = [JobView(j.id, JobSpec.model_validate(j.spec), JobState(j.state), j.created_at,
+                         frozenset(shards.get(j.id, ()))) for j in jobs]
+    matches = match(job_views, node_views, now, liveness=config.node_timeout)
+    by_id = {j.id: j for j in jobs}
+    for m in matches:
+        session.add(AssignmentRow(job_id=m.job_id, node_id=m.node_id, state=AssignmentState.ACTIVE.value,
+                                  shard_index=m.shard_index, num_shards=m.num_shards, created_at=now))
+        session.add(JobEvent(job_id=m.job_id, at=now, message=f"assigned node {m.node_id} (shard {m.shard_index})"))
+        job = by_id[m.job_id]
+        if job.state == JobState.PENDING.value:
+            job.state, job.started_at = JobState.RUNNING.value, now
+            session.add(JobEvent(job_id=job.id, at=now, message="running"))
+    if matches:
+        logger.info("matched %s", ", ".join(f"{m.node_id}->{m.job_id}" for m in matches))
+    return matches
+
+
+def create_app(config: CoordinatorConfig) -> web.Application:
+    # The app-wide cap fits the largest artifact; JSON routes enforce their own, much smaller, cap while reading.
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_artifact_bytes)
+    app[CONFIG] = config
+    app.cleanup_ctx.extend([_database, _dht, _supervisor])
+    views.setup_routes(app)
+    return app

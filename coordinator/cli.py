@@ -1,0 +1,256 @@
+"""The coordinator's command groups: `gpuswarm coordinator ...`, `gpuswarm job ...` and `gpuswarm nodes`.
+
+`coordinator serve` runs the service; the job and node commands are clients of its HTTP API. Every listing
+prints a table by default and machine-readable JSON with --json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from gpuswarm.coordinator.client import DEFAULT_URL, ApiClientError, CoordinatorClient
+from gpuswarm.proto.models import JobSpec
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+# Piped output (scripts, CI logs) is not cut to 80 columns; a terminal keeps its own width.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+coordinator_app = typer.Typer(help="Run the coordinator service.", no_args_is_help=True)
+job_app = typer.Typer(help="Submit, watch, cancel and download training jobs.", no_args_is_help=True)
+
+CoordinatorURL = Annotated[str, typer.Option("--coordinator", "-c", envvar="GPUSWARM_COORDINATOR",
+                                             help="Coordinator base URL.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    err.print(f"[red]error:[/red] {message}")
+    return typer.Exit(code)
+
+
+def call(fn, *args):
+    try:
+        return fn(*args)
+    except ApiClientError as e:
+        raise fail(str(e)) from None
+
+
+def print_json(value: Any) -> None:
+    typer.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+def ago(t: float | None) -> str:
+    if not t:
+        return "-"
+    seconds = max(0.0, time.time() - t)
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago" if seconds < 7200 else \
+        f"{seconds / 3600:.0f}h ago"
+
+
+def fmt(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------------------------- coordinator
+
+
+@coordinator_app.command("serve")
+def serve(
+    host: Annotated[str, typer.Option(help="HTTP listen address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port.")] = 8470,
+    data_dir: Annotated[Path, typer.Option(help="Database (SQLite) and artifact store.")] = Path("var/coordinator"),
+    database_url: Annotated[str | None, typer.Option(envvar="DATABASE_URL",
+                                                     help="SQLAlchemy async URL (default: SQLite).")] = None,
+    dht_host: Annotated[str, typer.Option(help="Address the DHT bootstrap peer binds and announces.")] = "127.0.0.1",
+    dht_port: Annotated[int, typer.Option(help="DHT bootstrap peer TCP port (0: any free port).")] = 0,
+    node_timeout: Annotated[float, typer.Option(help="Seconds without heartbeat before a node is lost.")] = 10.0,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Serve the /v1 API, bootstrap the DHT, and match jobs to nodes until SIGTERM or Ctrl-C."""
+    from aiohttp import web
+    from gpuswarm.coordinator.app import create_app
+    from gpuswarm.coordinator.config import CoordinatorConfig
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = CoordinatorConfig(data_dir=data_dir, database_url=database_url, dht_host=dht_host, dht_port=dht_port,
+                               node_timeout=node_timeout)
+    web.run_app(create_app(config), host=host, port=port, print=lambda _: logging.getLogger(__name__).info(
+        "coordinator serving on http://%s:%d (data in %s)", host, port, data_dir), shutdown_timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------------- jobs
+
+
+def build_spec(file: Path | None, overrides: dict[str, Any], params: list[str]) -> JobSpec:
+    spec: dict[str, Any] = {}
+    if file is not None:
+        try:
+            spec = tomllib.loads(file.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise fail(f"cannot read job file {file}: {e}") from None
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        section, _, field = key.partition(".")
+        if field:
+            spec.setdefault(section, {})[field] = value
+        else:
+            spec[key] = value
+    for item in params:
+        name, sep, raw = item.partition("=")
+        if not sep:
+            raise fail(f"--param takes NAME=VALUE, got {item!r}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        spec.setdefault("hyperparameters", {})[name.strip()] = value
+    try:
+        return JobSpec.model_validate(spec)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'spec'}: {x['msg']}" for x in e.errors())
+        raise fail(f"invalid job spec: {problems}") from None
+
+
+@job_app.command("submit")
+def job_submit(
+    file: Annotated[Path | None, typer.Argument(help="Job spec as TOML (flags override its values).")] = None,
+    workload: Annotated[str | None, typer.Option(help="Workload name, e.g. digits-mlp.")] = None,
+    name: Annotated[str | None, typer.Option(help="A name to recognise the job by.")] = None,
+    target_accuracy: Annotated[float | None, typer.Option(help="Stop at this test accuracy.")] = None,
+    max_epochs: Annotated[int | None, typer.Option(help="Stop after this many passes over the data.")] = None,
+    min_nodes: Annotated[int | None, typer.Option(help="Nodes needed to start.")] = None,
+    max_nodes: Annotated[int | None, typer.Option(help="Most nodes the job may use.")] = None,
+    max_price: Annotated[float | None, typer.Option(help="Highest price per GPU-hour.")] = None,
+    param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Hyper-parameter NAME=VALUE.")] = None,
+    coordinator: CoordinatorURL = DEFAULT_URL,
+    as_json: JsonFlag = False,
+) -> None:
+    """Submit a training job."""
+    spec = build_spec(file, {"workload": workload, "name": name, "stop.target_accuracy": target_accuracy,
+                             "stop.max_epochs": max_epochs, "min_nodes": min_nodes, "max_nodes": max_nodes,
+                             "max_price_per_gpu_hour": max_price}, param or [])
+    job = call(CoordinatorClient(coordinator).submit_job, spec.model_dump(mode="json"))
+    if as_json:
+        print_json(job)
+    else:
+        console.print(f"submitted [bold]{job['id']}[/bold] ({spec.workload}, {spec.min_nodes}-{spec.max_nodes} "
+                      f"nodes); follow it with: gpuswarm job status {job['id']}")
+
+
+@job_app.command("list")
+def job_list(
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+    coordinator: CoordinatorURL = DEFAULT_URL,
+    as_json: JsonFlag = False,
+) -> None:
+    """List jobs, newest first."""
+    jobs = call(CoordinatorClient(coordinator).jobs, state)
+    if as_json:
+        return print_json(jobs)
+    table = Table("ID", "NAME", "WORKLOAD", "STATE", "NODES", "EPOCH", "ACCURACY", "SUBMITTED")
+    for j in jobs:
+        table.add_row(j["id"], j["name"] or "-", j["spec"]["workload"], j["state"], str(j["active_nodes"]),
+                      fmt(j["progress"]["epoch"], 2), fmt(j["final_accuracy"] or j["progress"]["accuracy"]),
+                      ago(j["created_at"]))
+    console.print(table if jobs else "no jobs")
+
+
+@job_app.command("status")
+def job_status(
+    job_id: Annotated[str, typer.Argument(help="Job ID.")],
+    coordinator: CoordinatorURL = DEFAULT_URL,
+    as_json: JsonFlag = False,
+) -> None:
+    """Show a job's state, progress, members, contributions, artifacts and recent events."""
+    job = call(CoordinatorClient(coordinator).job, job_id)
+    if as_json:
+        return print_json(job)
+    p = job["progress"]
+    console.print(f"[bold]{job['id']}[/bold] {job['name']}  state: [bold]{job['state']}[/bold]  "
+                  f"workload: {job['spec']['workload']}")
+    console.print(f"epoch {p['epoch']:.2f}  step {p['global_step']}  accuracy {fmt(p['accuracy'])}  "
+                  f"loss {fmt(p['loss'])}  {p['samples_per_second']:.0f} samples/s  peers {p['peers']}")
+    if job["final_accuracy"] is not None:
+        console.print(f"final test accuracy: [bold green]{job['final_accuracy']:.4f}[/bold green]")
+    if job["error"]:
+        console.print(f"[red]error:[/red] {job['error']}")
+    print_contributions(job["contributions"])
+    members = Table("NODE", "SHARD", "STATE", "SINCE", "REASON", title="Assignments")
+    for a in job["assignments"]:
+        members.add_row(a["node_id"], str(a["shard_index"]), a["state"], ago(a["created_at"]), a["reason"] or "")
+    console.print(members)
+    for a in job["artifacts"]:
+        console.print(f"artifact {a['name']}: {a['size']} bytes, sha256 {a['sha256'][:16]}…"
+                      f"{' (final)' if a['final'] else ''}")
+    for e in job["events"][-8:]:
+        console.print(f"  [dim]{time.strftime('%H:%M:%S', time.localtime(e['at']))}[/dim] {e['message']}")
+
+
+def print_contributions(rows: list[dict]) -> None:
+    table = Table("NODE", "SAMPLES", "STEPS", "COMPUTE S", "ROUNDS", "CLAIMS", title="Contributions")
+    for c in rows:
+        table.add_row(c["node_id"], str(c["samples"]), str(c["steps"]), f"{c['compute_seconds']:.1f}",
+                      str(c["rounds_joined"]), str(c["claims"]))
+    console.print(table if rows else "no contributions recorded yet")
+
+
+@job_app.command("cancel")
+def job_cancel(job_id: str, coordinator: CoordinatorURL = DEFAULT_URL, as_json: JsonFlag = False) -> None:
+    """Cancel a pending or running job; its nodes stop training within a heartbeat."""
+    job = call(CoordinatorClient(coordinator).cancel_job, job_id)
+    print_json(job) if as_json else console.print(f"{job['id']} cancelled")
+
+
+@job_app.command("download")
+def job_download(
+    job_id: str,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to save the model.")] = None,
+    coordinator: CoordinatorURL = DEFAULT_URL,
+    as_json: JsonFlag = False,
+) -> None:
+    """Download a completed job's final model (checked against its SHA-256)."""
+    client = CoordinatorClient(coordinator)
+    job = call(client.job, job_id)
+    final = [a for a in job["artifacts"] if a["final"]]
+    if not final:
+        raise fail(f"job {job_id} has no final model yet (state: {job['state']})")
+    artifact = final[0]
+    dest = output or Path(f"{job_id}-{artifact['name']}")
+    digest = call(client.download_artifact, job_id, artifact["name"], dest)
+    result = {"job_id": job_id, "path": str(dest), "sha256": digest, "size": artifact["size"],
+              "accuracy": artifact["accuracy"]}
+    if as_json:
+        print_json(result)
+    else:
+        console.print(f"saved {dest} ({artifact['size']} bytes, reported test accuracy "
+                      f"{fmt(artifact['accuracy'])}); check it with: gpuswarm node evaluate {dest}")
+
+
+# ---------------------------------------------------------------------------------------------------- nodes
+
+
+def nodes(coordinator: CoordinatorURL = DEFAULT_URL, as_json: JsonFlag = False) -> None:
+    """List registered nodes with their resources, state and advert."""
+    rows = call(CoordinatorClient(coordinator).nodes)
+    if as_json:
+        return print_json(rows)
+    table = Table("NODE", "STATE", "ONLINE", "GPUS", "CPU/RAM", "PRICE", "JOB", "LAST SEEN", "ADVERT")
+    for n in rows:
+        gpus = ", ".join(f"{g['count']}x {g['model']} {g['memory_gb']:.0f}G" for g in n["resources"]["gpus"]) or "cpu"
+        advert = n["advert"]
+        advert_text = "-" if advert is None else f"{advert['state']}, {advert['expires_at'] - time.time():.0f}s left"
+        table.add_row(n["id"], n["state"], "yes" if n["online"] else "no", gpus,
+                      f"{n['resources']['cpu_cores']}c/{n['resources']['ram_gb']:.0f}G",
+                      f"{n['price_per_gpu_hour']:.2f}", n["job_id"] or "-", ago(n["last_seen"]), advert_text)
+    console.print(table if rows else "no nodes registered")

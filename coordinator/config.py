@@ -1,0 +1,44 @@
+"""The coordinator's settings and the typed keys under which the app keeps its shared state."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+
+@dataclass
+class CoordinatorConfig:
+    data_dir: Path = Path("var/coordinator")
+    database_url: str | None = None
+    dht_host: str = "127.0.0.1"
+    dht_port: int = 0
+    heartbeat_interval: float = 2.0
+    node_timeout: float = 10.0  # a node silent this long is offline and loses its assignments
+    advert_ttl: float = 30.0
+    max_json_bytes: int = 64 * 1024
+    max_artifact_bytes: int = 512 * 1024 * 1024
+    max_job_failures: int = 3
+    loop_interval: float = 1.0
+    start_dht: bool = True
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'coordinator.db'}"
+
+    @property
+    def artifact_dir(self) -> Path:
+        return self.data_dir / "artifacts"
+
+
+CONFIG = web.AppKey("config", CoordinatorConfig)
+SESSIONS = web.AppKey("sessions", async_sessionmaker[AsyncSession])
+DHT_PEERS = web.AppKey("dht_peers", list)
+WAKE = web.AppKey("wake", asyncio.Event)
+ADVERTS = web.AppKey("adverts", dict)
+
+
+DHT = web.AppKey("dht", object)  # the hivemind.DHT bootstrap peer, when started

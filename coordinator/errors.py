@@ -1,0 +1,86 @@
+"""One error type for the API and the one place that turns errors into HTTP responses.
+
+Handlers and queries raise `ApiError` subclasses deep down; `error_middleware` maps them, and every other failure
+(malformed JSON, validation errors, oversized bodies, unknown routes, bugs) to the same JSON shape:
+{"error": {"code": "...", "message": "...", "details": [...]}}.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+from pydantic import ValidationError
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, message: str, *, code: str | None = None, details: list | None = None):
+        super().__init__(message)
+        self.message = message
+        self.code = code or self.code
+        self.details = details
+
+
+class BadRequest(ApiError):
+    pass
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "unauthorized"
+
+
+class Forbidden(ApiError):
+    status, code = 403, "forbidden"
+
+
+class NotFound(ApiError):
+    status, code = 404, "not_found"
+
+
+class Conflict(ApiError):
+    status, code = 409, "conflict"
+
+
+class PayloadTooLarge(ApiError):
+    status, code = 413, "payload_too_large"
+
+
+class Unprocessable(ApiError):
+    status, code = 422, "invalid"
+
+
+def error_body(code: str, message: str, details: list | None = None) -> dict:
+    body: dict = {"code": code, "message": message}
+    if details:
+        body["details"] = details
+    return {"error": body}
+
+
+def validation_details(error: ValidationError) -> list[dict]:
+    return [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in error.errors()][:20]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return web.json_response(error_body(e.code, e.message, e.details), status=e.status)
+    except ValidationError as e:
+        details = validation_details(e)
+        summary = "; ".join(f"{d['field'] or 'body'}: {d['message']}" for d in details[:3])
+        return web.json_response(error_body("invalid", f"invalid request: {summary}", details), status=422)
+    except web.HTTPRequestEntityTooLarge as e:
+        return web.json_response(error_body("payload_too_large", e.text or "request body too large"), status=413)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response(error_body(e.reason.lower().replace(" ", "_"), e.reason), status=e.status)
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return web.json_response(error_body("internal", "internal server error"), status=500)

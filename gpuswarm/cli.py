@@ -1,0 +1,23 @@
+"""The `gpuswarm` command: assembles the command groups each package owns, and nothing else."""
+
+from __future__ import annotations
+
+import typer
+
+from gpuswarm.coordinator.cli import coordinator_app, job_app, nodes
+from gpuswarm.node.cli import node_app
+
+app = typer.Typer(help="gpuswarm: a peer-to-peer GPU marketplace.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, add_completion=False)
+app.add_typer(coordinator_app, name="coordinator")
+app.add_typer(node_app, name="node")
+app.add_typer(job_app, name="job")
+app.command("nodes")(nodes)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

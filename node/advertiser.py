@@ -1,0 +1,82 @@
+"""The node's DHT presence: a hivemind DHT peer and a signed advert re-declared under a TTL.
+
+Like petals' announcer, it re-declares every `ttl / 3` seconds, warns when a declaration took longer than the
+period, and says goodbye with an OFFLINE advert on shutdown. The advert is signed with the node's identity and
+checked by `proto.dht.NodeAdvertValidator` on every peer that stores it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from gpuswarm.node.identity import Identity
+from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY, NodeAdvertValidator
+from gpuswarm.proto.models import NodeAdvert, NodeState, Resources
+
+logger = logging.getLogger(__name__)
+
+
+class Advertiser:
+    def __init__(self, identity: Identity, resources: Resources, software_version: str, price: float, host: str,
+                 ttl: float):
+        self.identity, self.resources, self.version, self.price = identity, resources, software_version, price
+        self.host, self.ttl = host, ttl
+        self.dht = None
+        self.state = NodeState.STARTING
+        self._task: asyncio.Task | None = None
+
+    async def start(self, initial_peers: list[str]) -> None:
+        """Start the DHT peer and the first declaration; raise if the DHT cannot start (the `_ready` contract)."""
+        import hivemind
+
+        loop = asyncio.get_running_loop()
+        self.dht = await loop.run_in_executor(None, lambda: hivemind.DHT(
+            initial_peers=initial_peers, host_maddrs=[f"/ip4/{self.host}/tcp/0"], start=True,
+            record_validators=[NodeAdvertValidator()]))
+        await self.declare()
+        self._task = asyncio.create_task(self._run(), name="dht-advertiser")
+
+    def advert(self, state: NodeState, expires_at: float) -> dict:
+        maddrs = [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
+        advert = NodeAdvert(node_id=self.identity.node_id, state=state, resources=self.resources,
+                            software_version=self.version, price_per_gpu_hour=self.price, maddrs=maddrs,
+                            expires_at=expires_at)
+        return self.identity.sign(ADVERT_KIND, advert.model_dump(mode="json")).model_dump(mode="json")
+
+    async def declare(self, state: NodeState | None = None, ttl: float | None = None) -> bool:
+        from hivemind.utils import get_dht_time
+
+        expires = get_dht_time() + (ttl or self.ttl)
+        value = self.advert(state or self.state, expires)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, lambda: self.dht.store(
+            NODES_KEY, subkey=self.identity.node_id, value=value, expiration_time=expires))
+
+    async def _run(self) -> None:
+        period = self.ttl / 3
+        while True:
+            await asyncio.sleep(period)
+            started = time.monotonic()
+            try:
+                if not await self.declare():
+                    logger.warning("no DHT peer accepted our advert")
+            except Exception:
+                logger.exception("declaring the advert failed; retrying in %.0fs", period)
+            took = time.monotonic() - started
+            if took > period:
+                logger.warning("declaring the advert took %.1fs, longer than its %.1fs period", took, period)
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self.dht is None:
+            return
+        try:
+            # hivemind keeps the later-expiring value of a subkey, so the goodbye must not expire sooner.
+            await asyncio.wait_for(self.declare(NodeState.OFFLINE, ttl=max(60.0, self.ttl)), timeout=5)
+        except Exception as e:  # goodbye is best effort: the TTL removes the advert anyway
+            logger.warning("could not publish the offline advert: %r", e)
+        await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
+        self.dht = None

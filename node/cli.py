@@ -1,0 +1,84 @@
+"""The node's command group: `gpuswarm node start`, `gpuswarm node id`, `gpuswarm node evaluate`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+node_app = typer.Typer(help="Run a GPU node daemon.", no_args_is_help=True)
+
+
+@node_app.command("start")
+def start(
+    coordinator: Annotated[str, typer.Option("--coordinator", "-c", envvar="GPUSWARM_COORDINATOR",
+                                             help="Coordinator base URL.")] = "http://127.0.0.1:8470",
+    state_dir: Annotated[Path, typer.Option(help="Identity key, outbox and job files.")] = Path("var/node"),
+    host: Annotated[str, typer.Option(help="Address hivemind binds and announces (loopback or LAN; the mesh "
+                                           "address once the WireGuard mesh exists).")] = "127.0.0.1",
+    price: Annotated[float, typer.Option(help="Ask price per GPU-hour.")] = 0.0,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Offer CPU only, even if GPUs are present.")] = False,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Register with the coordinator, advertise this machine in the DHT, and train assigned jobs until SIGTERM."""
+    from gpuswarm.node.client import CoordinatorClient
+    from gpuswarm.node.daemon import NodeConfig, NodeDaemon
+    from gpuswarm.node.gpu import probe
+    from gpuswarm.node.identity import IdentityError, load_or_create
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        identity = load_or_create(state_dir)
+    except IdentityError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    config = NodeConfig(coordinator_url=coordinator, state_dir=state_dir, host=host, price_per_gpu_hour=price,
+                        endpoints=[host])
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with CoordinatorClient(coordinator, identity) as client:
+            await NodeDaemon(config, identity, probe(force_cpu=cpu), client).run(stop)
+
+    asyncio.run(main())
+
+
+@node_app.command("id")
+def node_id(state_dir: Annotated[Path, typer.Option(help="The node's state directory.")] = Path("var/node")) -> None:
+    """Print this node's id (created with its key on first use)."""
+    from gpuswarm.node.identity import load_or_create
+
+    typer.echo(load_or_create(state_dir).node_id)
+
+
+@node_app.command("evaluate")
+def evaluate(
+    model: Annotated[Path, typer.Argument(help="A model file saved by a job (see `gpuswarm job download`).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Load a saved model and measure its accuracy on the workload's fixed test split."""
+    import torch
+    from gpuswarm.node.workloads import IMPLEMENTATIONS
+
+    try:
+        saved = torch.load(model, map_location="cpu", weights_only=True)
+        workload = IMPLEMENTATIONS[saved["workload"]]
+        accuracy = workload.evaluate_saved(str(model))
+    except (OSError, KeyError, RuntimeError, ValueError) as e:
+        typer.echo(f"error: cannot evaluate {model}: {e!r}", err=True)
+        raise typer.Exit(1) from None
+    reported = saved.get("metadata", {}).get("accuracy")
+    if as_json:
+        typer.echo(json.dumps({"model": str(model), "workload": saved["workload"], "accuracy": accuracy,
+                               "reported_accuracy": reported}))
+    else:
+        typer.echo(f"{model}: {saved['workload']} test accuracy {accuracy:.4f} (reported {reported:.4f})"
+                   if reported is not None else f"{model}: test accuracy {accuracy:.4f}")

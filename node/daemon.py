@@ -1,0 +1,268 @@
+"""The node daemon: a supervisor loop over registration, heartbeats, assignments, training and reports.
+
+Shaped like petals' server loop: `run()` waits on a stop event with a timeout, checks what it supervises, starts
+what is missing, and cleans up in `finally`. Side effects of a state change live in `enter_state`; the rules are
+`states.next_state`. The daemon talks to the coordinator through `client.CoordinatorClient` only, and the
+coordinator being down never stops training: claims wait in the outbox, the final model waits for upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpuswarm.node.advertiser import Advertiser
+from gpuswarm.node.client import CoordinatorUnavailable, Rejected
+from gpuswarm.node.identity import Identity
+from gpuswarm.node.outbox import Outbox
+from gpuswarm.node.runner import JobRunner, RunningJob
+from gpuswarm.node.states import Facts, next_state
+from gpuswarm.proto.models import (
+    AssignmentFailure,
+    ContributionClaim,
+    Heartbeat,
+    NodeRegistration,
+    NodeState,
+    Resources,
+)
+
+from gpuswarm import __version__
+
+logger = logging.getLogger(__name__)
+STOP_TIMEOUT = 20.0  # seconds a training process gets to leave its averaging round after SIGTERM
+
+
+@dataclass
+class NodeConfig:
+    coordinator_url: str
+    state_dir: Path
+    host: str = "127.0.0.1"  # where hivemind binds and what it announces; the mesh address once the mesh exists
+    price_per_gpu_hour: float = 0.0
+    shutdown_timeout: float = 30.0
+    endpoints: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PendingUpload:
+    job_id: str
+    path: Path
+    accuracy: float | None
+    epoch: float | None
+
+
+class NodeDaemon:
+    def __init__(self, config: NodeConfig, identity: Identity, resources: Resources, client):
+        self.config, self.identity, self.resources, self.client = config, identity, resources, client
+        self.state = NodeState.STARTING
+        self.registered = False
+        self.reachable = True
+        self.interval = 2.0
+        self.outbox = Outbox(config.state_dir / "outbox")
+        self.runner = JobRunner(config.state_dir / "jobs", config.host, self._on_event)
+        self.advertiser = Advertiser(identity, resources, __version__, config.price_per_gpu_hour, config.host,
+                                     ttl=30.0)
+        self._failures: list[AssignmentFailure] = []
+        self._uploads: list[PendingUpload] = []
+        self._seen_assignments: set[int] = set()  # never restart an assignment that already ran here
+        self._stopping: set[str] = set()  # jobs we stopped on purpose: their exit is not a failure
+        self._stop_tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------------------------------------ loop
+
+    async def run(self, stop: asyncio.Event) -> None:
+        logger.info("node %s starting (coordinator %s, hivemind on %s)", self.identity.node_id,
+                    self.config.coordinator_url, self.config.host)
+        try:
+            while not stop.is_set():
+                try:
+                    await self.step()
+                except Exception:  # one bad round never ends the daemon
+                    logger.exception("supervisor step failed; continuing")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.interval)
+        finally:
+            await asyncio.wait_for(self.shutdown(), timeout=self.config.shutdown_timeout)
+
+    async def step(self) -> None:
+        if not self.registered:
+            await self._register()
+        if self.registered and self.advertiser.dht is None:
+            await self._start_advertiser()
+        self._collect_exits()
+        if self.registered:
+            await self._heartbeat()
+        if self.registered and self.reachable:
+            await self._sync_assignments()
+        await self._flush_uploads()
+        await self._flush_outbox()
+        self.transition(stop_requested=False)
+
+    def transition(self, *, stop_requested: bool) -> None:
+        new = next_state(self.state, Facts(stop_requested=stop_requested, registered=self.registered,
+                                           coordinator_reachable=self.reachable, training=bool(self.runner.running)))
+        if new is not self.state:
+            self.enter_state(new)
+
+    def enter_state(self, new: NodeState) -> None:
+        logger.info("state %s -> %s", self.state.value, new.value)
+        self.state = new
+        self.advertiser.state = new
+
+    # ------------------------------------------------------------------------------------------------ steps
+
+    async def _register(self) -> None:
+        registration = NodeRegistration(node_id=self.identity.node_id, resources=self.resources,
+                                        software_version=__version__,
+                                        price_per_gpu_hour=self.config.price_per_gpu_hour,
+                                        endpoints=self.config.endpoints)
+        try:
+            response = await self.client.register(registration)
+        except CoordinatorUnavailable as e:
+            self.reachable = False
+            logger.warning("%s; retrying in %.0fs", e, self.interval)
+            return
+        except Rejected as e:
+            logger.error("the coordinator refused our registration: %s", e)
+            return
+        self.registered, self.reachable = True, True
+        self.interval = response.heartbeat_interval
+        self.advertiser.ttl = response.advert_ttl
+        self._dht_peers = response.dht_initial_peers
+        if response.mesh is None:
+            logger.warning("no WireGuard mesh: hivemind traffic on %s is NOT encrypted", self.config.host)
+        logger.info("registered as %s", self.identity.node_id)
+
+    async def _start_advertiser(self) -> None:
+        try:
+            await self.advertiser.start(self._dht_peers)
+            logger.info("DHT peer up at %s; advert declared", ", ".join(
+                str(m) for m in self.advertiser.dht.get_visible_maddrs()))
+        except Exception as e:
+            logger.error("could not start the DHT advertiser (%r); retrying", e)
+            self.advertiser.dht = None
+
+    def _collect_exits(self) -> None:
+        for job, code in self.runner.exited():
+            job_id = job.assignment.job_id
+            if job_id in self._stopping:
+                self._stopping.discard(job_id)
+            elif code != 0:
+                reason = self.runner.failure_reason(job, code)
+                logger.error("job %s failed: %s", job_id, reason.splitlines()[-1] if reason else code)
+                self._failures.append(AssignmentFailure(job_id=job_id, reason=reason))
+
+    async def _heartbeat(self) -> None:
+        progress = [j.progress for j in self.runner.running.values() if j.progress is not None]
+        failures = list(self._failures)
+        try:
+            await self.client.heartbeat(Heartbeat(node_id=self.identity.node_id, state=self.state,
+                                                  progress=progress, failures=failures))
+        except CoordinatorUnavailable as e:
+            if self.reachable:
+                logger.warning("%s; training continues and reports are kept", e)
+            self.reachable = False
+            return
+        except Rejected as e:
+            if e.code == "unknown_node":
+                logger.warning("the coordinator no longer knows this node; registering again")
+                self.registered = False
+            else:
+                logger.error("heartbeat refused: %s", e)
+            return
+        if not self.reachable:
+            logger.info("coordinator reachable again")
+        self.reachable = True
+        self._failures = self._failures[len(failures):]
+
+    async def _sync_assignments(self) -> None:
+        try:
+            assignments = await self.client.assignments()
+        except CoordinatorUnavailable:
+            self.reachable = False
+            return
+        except Rejected as e:
+            logger.error("assignment poll refused: %s", e)
+            return
+        active = {a.job_id: a for a in assignments}
+        for job_id in list(self.runner.running):
+            if job_id not in active and job_id not in self._stopping:
+                logger.info("job %s is no longer ours (ended, cancelled or reassigned); stopping", job_id)
+                self._stopping.add(job_id)
+                # In the background: a worker blocked in an averaging round may take a while, and heartbeats
+                # must go on meanwhile. `_collect_exits` sees it leave.
+                task = asyncio.create_task(self.runner.stop(job_id, timeout=STOP_TIMEOUT))
+                self._stop_tasks.add(task)
+                task.add_done_callback(self._stop_tasks.discard)
+        for a in assignments:
+            if a.job_id in self.runner.running or a.assignment_id in self._seen_assignments:
+                continue
+            self._seen_assignments.add(a.assignment_id)
+            try:
+                await self.runner.start(a)
+            except OSError as e:
+                self._failures.append(AssignmentFailure(job_id=a.job_id, reason=f"could not start training: {e}"))
+
+    def _on_event(self, job: RunningJob, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "contribution":
+            claim = ContributionClaim(job_id=job.assignment.job_id, node_id=self.identity.node_id,
+                                      seq=self.outbox.next_seq(), **{k: event[k] for k in (
+                                          "samples", "steps", "compute_seconds", "rounds_joined",
+                                          "window_start", "window_end")})
+            self.outbox.add(claim)
+        elif kind == "finished":
+            logger.info("job %s reached its stop rule (accuracy %.4f); uploading the model",
+                        job.assignment.job_id, event.get("accuracy", 0.0))
+            self._uploads.append(PendingUpload(job.assignment.job_id, Path(event["path"]), event.get("accuracy"),
+                                               event.get("epoch")))
+        elif kind == "progress" and job.progress is not None:
+            p = job.progress
+            logger.info("job %s epoch %.2f step %d accuracy %s peers %d", p.job_id, p.epoch, p.global_step,
+                        "-" if p.accuracy is None else f"{p.accuracy:.4f}", p.peers)
+
+    async def _flush_uploads(self) -> None:
+        for upload in list(self._uploads):
+            try:
+                await self.client.upload(upload.job_id, upload.path, final=True, accuracy=upload.accuracy,
+                                         epoch=upload.epoch)
+                logger.info("uploaded the final model of %s", upload.job_id)
+            except CoordinatorUnavailable:
+                return  # keep it for the next round
+            except Rejected as e:
+                level = logging.INFO if e.code == "job_final" else logging.ERROR
+                logger.log(level, "final model of %s not taken: %s", upload.job_id, e.message)
+            self._uploads.remove(upload)
+
+    async def _flush_outbox(self) -> None:
+        for claim in self.outbox.pending():
+            try:
+                await self.client.report(claim)
+            except CoordinatorUnavailable:
+                return
+            except Rejected as e:
+                if e.status in (401, 429):
+                    return  # transient from our side (clock skew, rate limit): keep it
+                if e.code != "duplicate_claim":
+                    logger.error("claim %d for %s refused, dropping it: %s", claim.seq, claim.job_id, e)
+            self.outbox.ack(claim)
+
+    # ------------------------------------------------------------------------------------------------ shutdown
+
+    async def shutdown(self) -> None:
+        """Bounded: stop training, flush what can be flushed, say goodbye to the coordinator and the DHT."""
+        self.transition(stop_requested=True)
+        self._stopping.update(self.runner.running)
+        await self.runner.stop_all(timeout=min(STOP_TIMEOUT, self.config.shutdown_timeout / 2))
+        self._collect_exits()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._flush_outbox(), timeout=3)
+        self.transition(stop_requested=True)
+        if self.registered:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.heartbeat(Heartbeat(
+                    node_id=self.identity.node_id, state=NodeState.OFFLINE)), timeout=3)
+        await self.advertiser.shutdown()
+        logger.info("node %s stopped", self.identity.node_id)

@@ -1,0 +1,126 @@
+"""The job runner: one supervised child process per assigned job (`gpuswarm.node.worker`).
+
+Owns starting a training process for an assignment, reading its JSON-line events, stopping it within a bounded
+time (SIGTERM, then SIGKILL), and noticing when it crashed. A crash in a job never reaches the daemon: it becomes
+a failure the daemon reports. The child gets SIGTERM if the daemon itself dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpuswarm.node.worker import EVENT_PREFIX
+from gpuswarm.proto.models import Assignment, Progress
+
+logger = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class RunningJob:
+    assignment: Assignment
+    process: asyncio.subprocess.Process
+    workdir: Path
+    started: float = field(default_factory=time.time)
+    progress: Progress | None = None
+    finished: dict | None = None  # the worker's "finished" event: the final model is saved
+    stderr_tail: deque = field(default_factory=lambda: deque(maxlen=40))
+    reader: asyncio.Task | None = None
+
+
+EventHandler = Callable[[RunningJob, dict], None]
+
+
+class JobRunner:
+    def __init__(self, jobs_dir: Path, host: str, on_event: EventHandler):
+        self.jobs_dir, self.host, self.on_event = jobs_dir, host, on_event
+        self.running: dict[str, RunningJob] = {}
+
+    async def start(self, assignment: Assignment) -> RunningJob:
+        workdir = self.jobs_dir / f"{assignment.job_id}-{assignment.assignment_id}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        spec_path = workdir / "assignment.json"
+        spec_path.write_text(assignment.model_dump_json(indent=2))
+        log = open(workdir / "worker.log", "ab")
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gpuswarm.node.worker", str(spec_path), "--host", self.host,
+                "--workdir", str(workdir), stdout=asyncio.subprocess.PIPE, stderr=log, preexec_fn=_die_with_parent,
+            )
+        finally:
+            log.close()
+        job = RunningJob(assignment, process, workdir)
+        job.reader = asyncio.create_task(self._read_events(job), name=f"events-{assignment.job_id}")
+        self.running[assignment.job_id] = job
+        logger.info("started training %s (shard %d/%d, pid %d)", assignment.job_id, assignment.shard_index,
+                    assignment.num_shards, process.pid)
+        return job
+
+    async def _read_events(self, job: RunningJob) -> None:
+        stdout = job.process.stdout
+        if stdout is None:
+            return
+        async for raw in stdout:
+            line = raw.decode(errors="replace").rstrip()
+            if not line.startswith(EVENT_PREFIX):
+                continue
+            try:
+                event = json.loads(line[len(EVENT_PREFIX):])
+                if event.get("event") == "progress":
+                    job.progress = Progress.model_validate(event)
+                elif event.get("event") == "finished":
+                    job.finished = event
+                self.on_event(job, event)
+            except Exception:  # one bad line never stops the reader
+                logger.exception("ignoring bad event from %s: %.200s", job.assignment.job_id, line)
+
+    def exited(self) -> list[tuple[RunningJob, int]]:
+        """Jobs whose process has ended since the last call, with exit codes. They leave `running`."""
+        done = [(job, job.process.returncode) for job in self.running.values() if job.process.returncode is not None]
+        for job, _ in done:
+            del self.running[job.assignment.job_id]
+        return done
+
+    def failure_reason(self, job: RunningJob, code: int) -> str:
+        with contextlib.suppress(OSError):
+            lines = (job.workdir / "worker.log").read_text(errors="replace").strip().splitlines()
+            return f"training process exited with {code}: " + "\n".join(lines[-15:])
+        return f"training process exited with {code}"
+
+    async def stop(self, job_id: str, timeout: float = 10.0) -> None:
+        job = self.running.get(job_id)
+        if job is None:
+            return
+        if job.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                job.process.terminate()
+            try:
+                await asyncio.wait_for(job.process.wait(), timeout)
+            except TimeoutError:
+                logger.warning("training process of %s ignored SIGTERM for %.0fs; killing it", job_id, timeout)
+                with contextlib.suppress(ProcessLookupError):
+                    job.process.kill()
+                await job.process.wait()
+        if job.reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(job.reader, 2)
+        logger.info("stopped training %s", job_id)
+
+    async def stop_all(self, timeout: float = 10.0) -> None:
+        await asyncio.gather(*(self.stop(job_id, timeout) for job_id in list(self.running)))

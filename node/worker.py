@@ -1,0 +1,190 @@
+"""The training process: one per job on a node, started and supervised by `gpuswarm.node.runner`.
+
+Owns the hivemind DHT peer and `hivemind.Optimizer` of one job run, the training loop, evaluation against the
+stop rule, and saving the final model. It talks to its parent only through JSON lines on stdout (prefixed with
+`EVENT_PREFIX`, so stray prints cannot be mistaken for events) and its exit code; it never talks to the
+coordinator, so training goes on while the coordinator is down. Crashes here cannot take the daemon down.
+
+Run as: python -m gpuswarm.node.worker ASSIGNMENT_JSON --host ADDRESS --workdir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+EVENT_PREFIX = "@gpuswarm "
+RENDEZVOUS_TIMEOUT = 60.0
+MEMBER_RECORD_TTL = 24 * 3600.0
+logger = logging.getLogger("gpuswarm.worker")
+
+
+def emit(event: str, **fields) -> None:
+    sys.stdout.write(EVENT_PREFIX + json.dumps({"event": event, **fields}, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+class ContributionMeter:
+    """Counts what this node did since the last emitted contribution window."""
+
+    def __init__(self) -> None:
+        self.window_start = time.time()
+        self.samples = self.steps = self.rounds = 0
+        self.compute_seconds = 0.0
+
+    def flush(self) -> None:
+        if self.samples == 0 and self.rounds == 0:
+            return
+        now = time.time()
+        emit("contribution", samples=self.samples, steps=self.steps, compute_seconds=round(self.compute_seconds, 4),
+             rounds_joined=self.rounds, window_start=self.window_start, window_end=now)
+        self.__init__()
+        self.window_start = now
+
+
+def wait_for_members(dht, run_id: str, node_id: str, min_nodes: int, stop: threading.Event) -> None:
+    """Hold training until `min_nodes` members of the run have checked in, so a fast first node does not finish the
+    job alone before its peers arrive. A node joining a run in progress finds the earlier members' records and goes
+    straight on (and then loads the current state from a peer)."""
+    from hivemind.utils import get_dht_time
+
+    key = f"{run_id}.members"
+    dht.store(key, subkey=node_id, value=time.time(), expiration_time=get_dht_time() + MEMBER_RECORD_TTL)
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT
+    count = 0
+    while not stop.is_set() and time.monotonic() < deadline:
+        found = dht.get(key, latest=True)
+        count = len(found.value) if found is not None and isinstance(found.value, dict) else 0
+        if count >= min_nodes:
+            emit("members", count=count)
+            return
+        time.sleep(0.5)
+    logger.warning("only %d of %d members arrived within %.0fs; training anyway", count, min_nodes, RENDEZVOUS_TIMEOUT)
+
+
+def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
+    """After the first local step, hold training until hivemind's progress tracker sees `min_nodes` peers.
+
+    A node that trains before its tracker has seen the others believes it is alone and races through epochs on
+    its own, scheduling and cancelling averaging rounds in quick succession; in hivemind 1.1.12 that can leave the
+    matchmaker wedged ("another look_for_group is already in progress"), and every later round then fails. The
+    tracker publishes a peer only once it has accumulated samples, hence one step first."""
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT
+    while not stop.is_set() and time.monotonic() < deadline:
+        if optimizer.tracker.global_progress.num_peers >= min_nodes:
+            return
+        time.sleep(0.2)
+    logger.warning("the progress tracker saw %d of %d peers; training anyway",
+                   optimizer.tracker.global_progress.num_peers, min_nodes)
+
+
+def run(assignment: dict, host: str, workdir: Path, stop: threading.Event) -> int:
+    import hivemind
+    import torch
+    from gpuswarm.node.workloads import build_workload
+    from gpuswarm.proto.dht import NodeAdvertValidator
+    from gpuswarm.proto.models import Assignment
+
+    torch.set_num_threads(int(os.environ.get("GPUSWARM_TORCH_THREADS", "1")))
+    a = Assignment.model_validate(assignment)
+    spec = a.spec
+    workload = build_workload(spec.workload, spec.hyperparameters, a.shard_index, a.num_shards)
+    hp = spec.hyperparameters
+
+    dht = hivemind.DHT(
+        initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
+        record_validators=[NodeAdvertValidator()],
+    )
+    optimizer = None
+    try:
+        emit("ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
+        wait_for_members(dht, a.run_id, a.node_id, spec.min_nodes, stop)
+        optimizer = hivemind.Optimizer(
+            dht=dht, run_id=a.run_id, target_batch_size=workload.target_batch_size,
+            batch_size_per_step=workload.batch_size, params=workload.model.parameters(),
+            optimizer=lambda params: torch.optim.Adam(params, lr=workload.learning_rate),
+            matchmaking_time=hp["matchmaking_time"], averaging_timeout=hp["averaging_timeout"],
+            # A newcomer joining a run in progress takes the current weights and optimizer state from a peer.
+            load_state_timeout=60.0, averager_opts={"request_timeout": 1.0}, verbose=False,
+        )
+        # The averager and DHT run in their own processes, already started. Lowering only this process's priority
+        # keeps a CPU-bound training loop from starving the all-reduce rounds on a shared CPU (a 2-core host
+        # running several nodes would otherwise miss every matchmaking deadline).
+        os.nice(int(os.environ.get("GPUSWARM_TRAIN_NICE", "10")))
+        meter = ContributionMeter()
+        last_epoch = optimizer.local_epoch
+        samples_total, started, last_flush = 0, time.time(), time.time()
+        for batch in workload.batches():
+            if stop.is_set():
+                break
+            t0 = time.perf_counter()
+            loss = workload.loss(batch)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"training loss is {loss.item()}; refusing to share non-finite gradients")
+            loss.backward()
+            meter.compute_seconds += time.perf_counter() - t0
+            optimizer.step()
+            optimizer.zero_grad()
+            if meter.steps == 0 and samples_total == 0:
+                # The tracker publishes a peer only once it has accumulated samples: one step first, then wait.
+                wait_for_tracker(optimizer, spec.min_nodes, stop)
+            n = len(batch[1])
+            meter.samples += n
+            meter.steps += 1
+            samples_total += n
+
+            if optimizer.local_epoch != last_epoch:
+                meter.rounds += 1
+                last_epoch = optimizer.local_epoch
+                test_loss, accuracy = workload.evaluate()
+                epochs = last_epoch * workload.target_batch_size / workload.train_size
+                elapsed = max(time.time() - started, 1e-6)
+                emit("progress", job_id=a.job_id, epoch=round(epochs, 3), global_step=last_epoch,
+                     samples=samples_total, loss=round(test_loss, 5), accuracy=round(accuracy, 5),
+                     samples_per_second=round(samples_total / elapsed, 2),
+                     peers=optimizer.tracker.global_progress.num_peers)
+                meter.flush()
+                last_flush = time.time()
+                rule = spec.stop
+                if (rule.target_accuracy is not None and accuracy >= rule.target_accuracy) or (
+                    rule.max_epochs is not None and epochs >= rule.max_epochs
+                ):
+                    path = workdir / "model.pt"
+                    metadata = {"job_id": a.job_id, "accuracy": accuracy, "epoch": epochs, "global_step": last_epoch}
+                    workload.save(str(path), metadata)
+                    emit("finished", path=str(path), accuracy=accuracy, epoch=round(epochs, 3))
+                    return 0
+            elif time.time() - last_flush > 5.0:
+                meter.flush()
+                last_flush = time.time()
+        meter.flush()
+        return 0
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpuswarm-worker")
+    parser.add_argument("assignment", type=Path)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--workdir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    assignment = json.loads(args.assignment.read_text())
+    return run(assignment, args.host, args.workdir, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

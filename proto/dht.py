@@ -1,0 +1,66 @@
+"""DHT key names and the record validator that protects node adverts.
+
+Each node keeps one advert under `NODES_KEY` with its node id as the subkey. The value is a signed envelope
+(kind "advert"); `NodeAdvertValidator` accepts it only if the signer's derived node id equals the subkey, the
+payload names that node, and the record does not outlive the expiry the node signed. So nobody can overwrite,
+or keep alive, another node's advert. Records under other keys (hivemind's own progress and averaging keys) are
+left to the validators that own them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gpuswarm.proto.models import NodeAdvert
+from gpuswarm.proto.signing import SignatureError, SignedEnvelope, verify
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer
+from pydantic import ValidationError
+
+logger = logging.getLogger(__name__)
+
+NODES_KEY = "gpuswarm.nodes"
+ADVERT_KIND = "advert"
+EXPIRY_SLACK = 5.0  # seconds a record may outlive its signed expiry (clock skew between peers)
+
+
+def job_run_id(job_id: str) -> str:
+    """The hivemind run id of a job; hivemind derives its progress and averaging keys from it."""
+    return f"gpuswarm_{job_id.replace('-', '_')}"
+
+
+def decode_advert(envelope: dict) -> NodeAdvert:
+    """Verify a signed advert (as stored in the DHT) and return it. Raise ValueError when it is not valid."""
+    env = SignedEnvelope.model_validate(envelope)
+    # The DHT record's own expiry bounds an advert's life; the envelope timestamp only needs to be sane.
+    signer = verify(env, kind=ADVERT_KIND, max_skew=float("inf"))
+    advert = NodeAdvert.model_validate(env.payload)
+    if advert.node_id != signer:
+        raise SignatureError("advert is not signed by the node it describes")
+    return advert
+
+
+class NodeAdvertValidator(RecordValidatorBase):
+    def __init__(self) -> None:
+        self._nodes_key_id = DHTID.generate(source=NODES_KEY).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self._nodes_key_id:
+            return True  # not ours to judge
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+            advert = decode_advert(MSGPackSerializer.loads(record.value))
+        except (ValueError, ValidationError, TypeError, KeyError) as e:
+            logger.debug("rejected advert record: %s", e)
+            return False
+        except Exception as e:  # malformed msgpack raises library-specific errors; never let it reach the DHT loop
+            logger.debug("rejected undecodable advert record: %r", e)
+            return False
+        if subkey != advert.node_id:
+            return False
+        return record.expiration_time <= advert.expires_at + EXPIRY_SLACK
+
+    @property
+    def priority(self) -> int:
+        return 10

@@ -1,0 +1,261 @@
+"""Wire models: everything a node, the coordinator and a job owner say to each other.
+
+Models are strict and bounded (no NaN, no negative counts, capped lengths and list sizes) and ignore unknown
+extra fields, so that a newer peer can still talk to an older one. Validation errors are the caller's to map.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Any
+
+from gpuswarm.proto.workloads import WORKLOADS, validate_hyperparameters
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
+
+NODE_ID_PATTERN = r"^[0-9a-f]{16}$"
+JOB_ID_PATTERN = r"^j-[0-9a-f]{12}$"
+
+NodeId = Annotated[str, StringConstraints(pattern=NODE_ID_PATTERN)]
+JobId = Annotated[str, StringConstraints(pattern=JOB_ID_PATTERN)]
+ShortText = Annotated[str, StringConstraints(min_length=1, max_length=128, strip_whitespace=True)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Price = Annotated[float, Field(ge=0, le=1_000_000, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0, le=2**53)]
+Multiaddr = Annotated[str, StringConstraints(min_length=4, max_length=512, pattern=r"^/")]
+
+
+class WireModel(BaseModel):
+    """Base for every wire model: immutable, and unknown fields ignored so that mixed versions still talk.
+
+    Bounds (ranges, lengths, no NaN) are strict; pydantic's lax mode still turns "1.5" into 1.5, which is
+    harmless once the value is in range."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class GPUInfo(WireModel):
+    model: ShortText
+    memory_gb: Annotated[float, Field(gt=0, le=4096, allow_inf_nan=False)]
+    count: Annotated[int, Field(ge=1, le=64)] = 1
+
+
+class Resources(WireModel):
+    """What a node offers. A CPU-only node has no GPUs and states its cores and RAM."""
+
+    gpus: list[GPUInfo] = Field(default_factory=list, max_length=16)
+    cpu_cores: Annotated[int, Field(ge=1, le=4096)]
+    ram_gb: Annotated[float, Field(gt=0, le=65536, allow_inf_nan=False)]
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(g.count for g in self.gpus)
+
+    @property
+    def max_gpu_memory_gb(self) -> float:
+        return max((g.memory_gb for g in self.gpus), default=0.0)
+
+
+class NodeRegistration(WireModel):
+    """Signed by the node; the coordinator upserts the node under `node_id`."""
+
+    node_id: NodeId
+    resources: Resources
+    software_version: ShortText
+    price_per_gpu_hour: Price = 0.0
+    endpoints: list[Annotated[str, StringConstraints(max_length=128)]] = Field(default_factory=list, max_length=16)
+
+
+class NodeState(enum.StrEnum):
+    """The daemon's states. Transitions are computed by `gpuswarm.node.states.next_state`."""
+
+    STARTING = "starting"
+    REGISTERING = "registering"
+    IDLE = "idle"
+    TRAINING = "training"
+    DISCONNECTED = "disconnected"  # coordinator unreachable; training goes on, reports are buffered
+    STOPPING = "stopping"
+    OFFLINE = "offline"
+
+
+class NodeAdvert(WireModel):
+    """The signed record a node keeps in the DHT under `NODES_KEY`, subkey = its node id."""
+
+    node_id: NodeId
+    state: NodeState
+    resources: Resources
+    software_version: ShortText
+    price_per_gpu_hour: Price = 0.0
+    maddrs: list[Multiaddr] = Field(default_factory=list, max_length=16)
+    expires_at: NonNegFloat
+
+
+class Requirements(WireModel):
+    min_gpu_memory_gb: NonNegFloat = 0.0
+    gpu_models: list[ShortText] = Field(default_factory=list, max_length=32)
+    allow_cpu: bool = True
+
+
+class StopRule(WireModel):
+    """Training stops at whichever comes first. At least one of the two must be set."""
+
+    target_accuracy: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    max_epochs: Annotated[int, Field(ge=1, le=10_000)] | None = 20
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> StopRule:
+        if self.target_accuracy is None and self.max_epochs is None:
+            raise ValueError("a stop rule needs target_accuracy, max_epochs or both")
+        return self
+
+
+class JobSpec(WireModel):
+    """What a job owner submits."""
+
+    name: Annotated[str, StringConstraints(max_length=128)] = ""
+    workload: ShortText
+    hyperparameters: dict[str, Any] = Field(default_factory=dict, max_length=64, validate_default=True)
+    stop: StopRule = Field(default_factory=StopRule)
+    min_nodes: Annotated[int, Field(ge=1, le=1024)] = 1
+    max_nodes: Annotated[int, Field(ge=1, le=1024)] = 1
+    requirements: Requirements = Field(default_factory=Requirements)
+    max_price_per_gpu_hour: Price | None = None
+
+    @field_validator("workload")
+    @classmethod
+    def _known_workload(cls, value: str) -> str:
+        if value not in WORKLOADS:
+            raise ValueError(f"unknown workload {value!r}; known: {', '.join(sorted(WORKLOADS))}")
+        return value
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _workload_hyperparameters(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # Normalise against the workload's own schema, so that a typo fails at submit, not on a node.
+        workload = info.data.get("workload")
+        return validate_hyperparameters(workload, value) if workload else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) is greater than max_nodes ({self.max_nodes})")
+        return self
+
+
+class JobState(enum.StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+
+
+class AssignmentState(enum.StrEnum):
+    ACTIVE = "active"
+    FINISHED = "finished"  # the job ended while this node was in it
+    FAILED = "failed"  # the node's training process crashed
+    LOST = "lost"  # the node stopped heart-beating
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self is not AssignmentState.ACTIVE
+
+
+class Assignment(WireModel):
+    """What the coordinator hands a node: enough to join the job's hivemind run without asking anyone else."""
+
+    assignment_id: Annotated[int, Field(ge=1)]
+    job_id: JobId
+    node_id: NodeId
+    state: AssignmentState
+    job_state: JobState
+    spec: JobSpec
+    run_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    shard_index: Annotated[int, Field(ge=0)]
+    num_shards: Annotated[int, Field(ge=1)]
+    initial_peers: list[Multiaddr] = Field(default_factory=list, max_length=64)
+
+
+class Progress(WireModel):
+    """A node's view of its job's training, sent with each heartbeat."""
+
+    job_id: JobId
+    epoch: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    global_step: Count = 0
+    samples: Count = 0
+    loss: NonNegFloat | None = None
+    accuracy: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    samples_per_second: NonNegFloat = 0.0
+    peers: Annotated[int, Field(ge=0, le=100_000)] = 0
+
+
+class AssignmentFailure(WireModel):
+    job_id: JobId
+    reason: Annotated[str, StringConstraints(max_length=2000)]
+
+
+class Heartbeat(WireModel):
+    node_id: NodeId
+    state: NodeState
+    progress: list[Progress] = Field(default_factory=list, max_length=16)
+    failures: list[AssignmentFailure] = Field(default_factory=list, max_length=16)
+
+
+class AssignmentPoll(WireModel):
+    node_id: NodeId
+
+
+class ContributionClaim(WireModel):
+    """What a node says it did for a job in one window. Signed; `seq` is unique per (job, node)."""
+
+    job_id: JobId
+    node_id: NodeId
+    seq: Annotated[int, Field(ge=0, le=2**53)]
+    samples: Count
+    steps: Count
+    compute_seconds: Annotated[float, Field(ge=0, le=86_400 * 366, allow_inf_nan=False)]
+    rounds_joined: Count
+    window_start: NonNegFloat
+    window_end: NonNegFloat
+
+    @model_validator(mode="after")
+    def _window(self) -> ContributionClaim:
+        if self.window_end < self.window_start:
+            raise ValueError("window_end is before window_start")
+        return self
+
+
+class ArtifactMeta(WireModel):
+    """Signed header of an artifact upload. The body's SHA-256 binds the signature to the bytes."""
+
+    job_id: JobId
+    node_id: NodeId
+    # No leading dot: rules out "." and "..", and hidden names that could clash with partial uploads.
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")]
+    sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+    size: Count
+    final: bool = False
+    accuracy: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    epoch: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+
+
+class RegistrationResponse(WireModel):
+    node_id: NodeId
+    dht_initial_peers: list[Multiaddr]
+    heartbeat_interval: NonNegFloat
+    advert_ttl: NonNegFloat
+    # The mesh seam: the WireGuard issue fills this with the node's mesh address and peer list. None means the
+    # node uses its configured host address (loopback or LAN), unencrypted.
+    mesh: dict[str, Any] | None = None
+
+
+_ID_RE = re.compile(JOB_ID_PATTERN)
+
+
+def is_job_id(value: str) -> bool:
+    return bool(_ID_RE.match(value))

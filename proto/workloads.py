@@ -1,0 +1,38 @@
+"""The catalogue of built-in workloads and their hyper-parameter schemas.
+
+The coordinator rejects a job whose workload is not listed here, and normalises its hyper-parameters with the
+workload's schema; the node's runner implements each listed workload. Adding a workload means a schema here and
+an implementation in `gpuswarm.node.workloads`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DigitsMLPParams(BaseModel):
+    """A two-layer perceptron on scikit-learn's 8x8 digits, trained with Adam and hivemind gradient averaging."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hidden: Annotated[int, Field(ge=8, le=4096)] = 128
+    learning_rate: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.02
+    batch_size: Annotated[int, Field(ge=1, le=4096)] = 32
+    # Samples the whole swarm accumulates before each averaging round and optimizer step.
+    target_batch_size: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    seed: Annotated[int, Field(ge=0, le=2**31 - 1)] = 0
+    matchmaking_time: Annotated[float, Field(ge=1.5, le=60, allow_inf_nan=False)] = 3.0
+    averaging_timeout: Annotated[float, Field(ge=1, le=600, allow_inf_nan=False)] = 10.0
+
+
+WORKLOADS: dict[str, type[BaseModel]] = {"digits-mlp": DigitsMLPParams}
+
+
+def validate_hyperparameters(workload: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Return the workload's hyper-parameters with defaults filled in; raise ValueError on unknown or bad ones."""
+    schema = WORKLOADS.get(workload)
+    if schema is None:
+        raise ValueError(f"unknown workload {workload!r}")
+    return schema.model_validate(values).model_dump()

@@ -1,0 +1,122 @@
+"""A local swarm lab: one real coordinator process and N real node daemons on this machine.
+
+Used by scripts/demo and by the integration tests. Each process runs in its own session (process group), so a
+node can be killed whole, with its training process and p2p daemons, as if its machine died; and `stop()` takes
+every group down, politely first, even after a failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpuswarm.coordinator.client import ApiClientError, CoordinatorClient
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalSwarm:
+    def __init__(self, root: Path, *, python: str = sys.executable, node_timeout: float = 10.0):
+        self.root = root
+        self.python = python
+        self.node_timeout = node_timeout
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = CoordinatorClient(self.url)
+        self.logs = root / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.coordinator: subprocess.Popen | None = None
+        self.nodes: dict[int, subprocess.Popen] = {}
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        env = os.environ | {"GPUSWARM_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with open(self.logs / f"{name}.log", "ab") as log:
+            return subprocess.Popen([self.python, "-m", "gpuswarm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+
+    def start_coordinator(self, timeout: float = 60.0) -> None:
+        self.coordinator = self._spawn("coordinator", "coordinator", "serve", "--port", str(self.port),
+                                       "--data-dir", str(self.root / "coordinator"),
+                                       "--node-timeout", str(self.node_timeout))
+        self.wait(lambda: self._healthy(), timeout, "the coordinator to answer", self.coordinator)
+
+    def _healthy(self) -> bool:
+        with contextlib.suppress(ApiClientError):
+            return bool(self.client.health()["ok"])
+        return False
+
+    def start_node(self, index: int) -> subprocess.Popen:
+        self.nodes[index] = self._spawn(f"node-{index}", "node", "start", "--coordinator", self.url,
+                                        "--state-dir", str(self.root / f"node-{index}"), "--cpu")
+        return self.nodes[index]
+
+    def node_id(self, index: int) -> str:
+        from gpuswarm.node.identity import load_or_create
+
+        return load_or_create(self.root / f"node-{index}").node_id
+
+    def wait_for_nodes(self, count: int, timeout: float = 90.0) -> list[dict]:
+        nodes: list[dict] = []
+
+        def enough() -> bool:
+            nonlocal nodes
+            nodes = [n for n in self.client.nodes() if n["online"]]
+            return len(nodes) >= count
+
+        self.wait(enough, timeout, f"{count} nodes to register")
+        return nodes
+
+    def kill_node(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Kill a node's whole process group: the daemon, its training process and their p2p daemons."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.nodes[index].pid, sig)
+        self.nodes[index].wait(timeout=30)
+
+    def wait(self, condition, timeout: float, what: str, process: subprocess.Popen | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"process exited with {process.returncode} while waiting for {what}; "
+                                   f"see {self.logs}")
+            time.sleep(0.5)
+        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; see {self.logs}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the nodes (so they can say goodbye while the coordinator still listens), then the coordinator;
+        SIGKILL every group afterwards, since a group may outlive its leader (a p2p daemon)."""
+        for group in (list(self.nodes.values()), [self.coordinator] if self.coordinator else []):
+            for p in group:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for p in group:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for p in [*self.nodes.values(), *([self.coordinator] if self.coordinator else [])]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join((self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+        return ""

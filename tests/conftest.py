@@ -1,0 +1,48 @@
+"""Shared fixtures: the scripts/ lab helpers on the path, and an autouse guard that no test leaves processes."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+
+def pytest_configure(config):
+    # A SIGTERM (a CI timeout, a killed run) becomes KeyboardInterrupt, so fixtures still tear their swarms down:
+    # swarm processes run in their own sessions and would otherwise outlive the test run.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Expose each phase's report as item.rep_setup / rep_call, so fixtures can tell whether the test failed."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+@pytest.fixture(autouse=True)
+def kill_leftover_children():
+    """Kill every process a test left behind (node daemons, training processes, p2pd), even after a failure."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in leftovers:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(leftovers, timeout=10)
+
+
+@pytest.fixture
+def artifacts_dir() -> Path:
+    """Where tests keep files worth looking at after a run (logs of failed swarms); ignored by git."""
+    path = Path(__file__).resolve().parent.parent / "test-artifacts"
+    path.mkdir(exist_ok=True)
+    return path
