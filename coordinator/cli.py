@@ -84,8 +84,10 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = CoordinatorConfig(data_dir=data_dir, database_url=database_url, dht_host=dht_host, dht_port=dht_port,
                                node_timeout=node_timeout)
+    # Per-request access lines only at debug level: three nodes heart-beating every 2 s would drown the log.
     web.run_app(create_app(config), host=host, port=port, print=lambda _: logging.getLogger(__name__).info(
-        "coordinator serving on http://%s:%d (data in %s)", host, port, data_dir), shutdown_timeout=5)
+        "coordinator serving on http://%s:%d (data in %s)", host, port, data_dir), shutdown_timeout=5,
+        access_log=logging.getLogger("aiohttp.access") if log_level.lower() == "debug" else None)
 
 
 # ---------------------------------------------------------------------------------------------------- jobs

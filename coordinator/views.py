@@ -31,7 +31,6 @@ from gpuswarm.coordinator.errors import (
 )
 from gpuswarm.proto.dht import job_run_id
 from gpuswarm.proto.models import (
-    JOB_ID_PATTERN,
     ArtifactMeta,
     Assignment,
     AssignmentPoll,
@@ -43,6 +42,7 @@ from gpuswarm.proto.models import (
     NodeRegistration,
     NodeState,
     RegistrationResponse,
+    is_job_id,
 )
 from gpuswarm.proto.signing import MAX_CLOCK_SKEW, SignatureError, SignedEnvelope, node_id_for, verify
 from pydantic import BaseModel, ValidationError
@@ -115,11 +115,7 @@ async def known_node(session: AsyncSession, envelope: SignedEnvelope, node_id: s
 
 
 async def get_job(session: AsyncSession, job_id: str) -> Job:
-    import re
-
-    if not re.match(JOB_ID_PATTERN, job_id):
-        raise NotFound(f"no job {job_id!r}", code="unknown_job")
-    job = await session.get(Job, job_id)
+    job = await session.get(Job, job_id) if is_job_id(job_id) else None
     if job is None:
         raise NotFound(f"no job {job_id!r}", code="unknown_job")
     return job

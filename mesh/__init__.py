@@ -1,6 +1,12 @@
-"""gpuswarm.mesh: the WireGuard mesh (keys, IPAM, wireguard-go and netlink backends, the reconciler).
+"""gpuswarm.mesh: the WireGuard mesh. Imports proto and third-party libraries only; never node or coordinator.
 
-Not built yet: the mesh is its own issue. Until then nodes bind hivemind to the host address they are given
-(`gpuswarm node start --host`, loopback by default), and the coordinator's registration response carries
-`mesh: null`. That field and the node's `--host` are the seams the mesh will fill. Imports proto only.
+- `keys`: X25519 key pairs in WireGuard's base64 form, hex for the UAPI, the private key file (0600).
+- `ipam`: pure address management over plain-dict state (stable address per key, release grace period).
+- `uapi`: a client of wireguard-go's UAPI socket (per-peer sets, never `replace_peers`).
+- `backend`: `MeshBackend` with `UserspaceBackend` (wireguard-go + pyroute2) and `KernelBackend` (netlink), and
+  `choose_backend()`.
+- `reconciler`: `plan(current, desired)` (fewest changes) and `MeshAgent.reconcile(desired)`.
+
+Submodules are imported explicitly (`from gpuswarm.mesh.ipam import allocate`), so that the coordinator, which
+needs only IPAM, does not load pyroute2.
 """

@@ -52,11 +52,16 @@ def start(
 
 
 @node_app.command("id")
-def node_id(state_dir: Annotated[Path, typer.Option(help="The node's state directory.")] = Path("var/node")) -> None:
+def node_id(
+    state_dir: Annotated[Path, typer.Option(help="The node's state directory.")] = Path("var/node"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
     """Print this node's id (created with its key on first use)."""
     from gpuswarm.node.identity import load_or_create
 
-    typer.echo(load_or_create(state_dir).node_id)
+    identity = load_or_create(state_dir)
+    typer.echo(json.dumps({"node_id": identity.node_id, "public_key": identity.public_key}) if as_json
+               else identity.node_id)
 
 
 @node_app.command("evaluate")

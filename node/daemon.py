@@ -64,6 +64,7 @@ class NodeDaemon:
         self.runner = JobRunner(config.state_dir / "jobs", config.host, self._on_event)
         self.advertiser = Advertiser(identity, resources, __version__, config.price_per_gpu_hour, config.host,
                                      ttl=30.0)
+        self._dht_peers: list[str] = []
         self._failures: list[AssignmentFailure] = []
         self._uploads: list[PendingUpload] = []
         self._seen_assignments: set[int] = set()  # never restart an assignment that already ran here
