@@ -10,12 +10,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from aiohttp import web
 from gpuswarm.coordinator import views
-from gpuswarm.coordinator.config import ADVERTS, CONFIG, DHT, DHT_PEERS, SESSIONS, WAKE, CoordinatorConfig
+from gpuswarm.coordinator.config import (
+    ADMIN_TOKEN,
+    ADVERTS,
+    CONFIG,
+    DHT,
+    DHT_PEERS,
+    MESH_VERSION,
+    SESSIONS,
+    WAKE,
+    CoordinatorConfig,
+)
 from gpuswarm.coordinator.db import (
     AssignmentRow,
     Job,
@@ -28,6 +41,8 @@ from gpuswarm.coordinator.db import (
 )
 from gpuswarm.coordinator.errors import error_middleware
 from gpuswarm.coordinator.matcher import JobView, NodeView, match
+from gpuswarm.coordinator.mesh import MeshVersion
+from gpuswarm.mesh import ipam
 from gpuswarm.proto.models import AssignmentState, JobSpec, JobState, Resources
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -35,10 +50,23 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 logger = logging.getLogger(__name__)
 
 
+def load_or_create_admin_token(path: Path) -> str:
+    """The admin token (revocations): created once at mode 0600 beside the database, like a node's key."""
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    logger.info("created the admin token in %s", path)
+    return token
+
+
 async def _database(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     config.data_dir.mkdir(parents=True, exist_ok=True)
     config.artifact_dir.mkdir(parents=True, exist_ok=True)
+    app[ADMIN_TOKEN] = load_or_create_admin_token(config.admin_token_file)
     engine = make_engine(config.db_url)
     try:
         await create_schema(engine)
@@ -75,6 +103,7 @@ async def _dht(app: web.Application) -> AsyncIterator[None]:
 
 async def _supervisor(app: web.Application) -> AsyncIterator[None]:
     app[WAKE] = asyncio.Event()
+    app[MESH_VERSION] = MeshVersion()
     task = asyncio.create_task(supervise(app), name="coordinator-supervisor")
     yield
     task.cancel()
@@ -88,7 +117,8 @@ async def supervise(app: web.Application) -> None:
     last_observe = 0.0
     while True:
         try:
-            await tick(app[SESSIONS], config, time.time())
+            if await tick(app[SESSIONS], config, time.time()):
+                await app[MESH_VERSION].bump()  # nodes went offline: their peers drop them
             if DHT in app and time.monotonic() - last_observe > 5.0:
                 last_observe = time.monotonic()
                 app[ADVERTS] = await observe_adverts(app[DHT])
@@ -115,16 +145,16 @@ async def observe_adverts(dht) -> dict:
     return adverts
 
 
-async def tick(sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig, now: float) -> list:
-    """One pass of the coordinator's bookkeeping. Returns the matches it made (for tests and logs)."""
+async def tick(sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig, now: float) -> list[str]:
+    """One pass of the coordinator's bookkeeping. Returns the ids of nodes it found silent and took offline."""
     async with sessions.begin() as session:
-        await _lose_silent_nodes(session, config, now)
-        matches = await _match(session, config, now)
+        silent = await _lose_silent_nodes(session, config, now)
+        await _match(session, config, now)
         await forget_expired_nonces(session, now)
-    return matches
+    return silent
 
 
-async def _lose_silent_nodes(session: AsyncSession, config: CoordinatorConfig, now: float) -> None:
+async def _lose_silent_nodes(session: AsyncSession, config: CoordinatorConfig, now: float) -> list[str]:
     silent = (await session.scalars(
         select(Node).where(Node.online.is_(True), Node.last_seen < now - config.node_timeout)
     )).all()
@@ -138,6 +168,7 @@ async def _lose_silent_nodes(session: AsyncSession, config: CoordinatorConfig, n
             session.add(JobEvent(job_id=a.job_id, at=now, message=f"node {node.id} lost (no heartbeat for "
                                  f"{now - node.last_seen:.0f}s); looking for a replacement"))
         logger.warning("node %s is offline; %d assignment(s) lost", node.id, len(lost))
+    return [node.id for node in silent]
 
 
 async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -> list:
@@ -172,6 +203,7 @@ async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -
 
 
 def create_app(config: CoordinatorConfig) -> web.Application:
+    ipam.new_state(config.mesh_cidr)  # a bad --mesh-cidr fails here, not at the first registration
     # The app-wide cap fits the largest artifact; JSON routes enforce their own, much smaller, cap while reading.
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_artifact_bytes)
     app[CONFIG] = config

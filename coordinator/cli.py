@@ -74,6 +74,7 @@ def serve(
     dht_host: Annotated[str, typer.Option(help="Address the DHT bootstrap peer binds and announces.")] = "127.0.0.1",
     dht_port: Annotated[int, typer.Option(help="DHT bootstrap peer TCP port (0: any free port).")] = 0,
     node_timeout: Annotated[float, typer.Option(help="Seconds without heartbeat before a node is lost.")] = 10.0,
+    mesh_cidr: Annotated[str, typer.Option(help="Network the nodes' mesh addresses come from.")] = "10.77.0.0/16",
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve the /v1 API, bootstrap the DHT, and match jobs to nodes until SIGTERM or Ctrl-C."""
@@ -83,9 +84,13 @@ def serve(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = CoordinatorConfig(data_dir=data_dir, database_url=database_url, dht_host=dht_host, dht_port=dht_port,
-                               node_timeout=node_timeout)
+                               node_timeout=node_timeout, mesh_cidr=mesh_cidr)
+    try:
+        app = create_app(config)
+    except ValueError as e:  # IPAMError for a bad --mesh-cidr
+        raise fail(str(e)) from None
     # Per-request access lines only at debug level: three nodes heart-beating every 2 s would drown the log.
-    web.run_app(create_app(config), host=host, port=port, print=lambda _: logging.getLogger(__name__).info(
+    web.run_app(app, host=host, port=port, print=lambda _: logging.getLogger(__name__).info(
         "coordinator serving on http://%s:%d (data in %s)", host, port, data_dir), shutdown_timeout=5,
         access_log=logging.getLogger("aiohttp.access") if log_level.lower() == "debug" else None)
 
@@ -242,17 +247,43 @@ def job_download(
 # ---------------------------------------------------------------------------------------------------- nodes
 
 
-def nodes(coordinator: CoordinatorURL = DEFAULT_URL, as_json: JsonFlag = False) -> None:
-    """List registered nodes with their resources, state and advert."""
+nodes_app = typer.Typer(help="List and manage nodes.", invoke_without_command=True)
+
+
+@nodes_app.callback()
+def nodes(ctx: typer.Context, coordinator: CoordinatorURL = DEFAULT_URL, as_json: JsonFlag = False) -> None:
+    """List registered nodes with their resources, state, mesh address and advert."""
+    if ctx.invoked_subcommand is not None:
+        return
     rows = call(CoordinatorClient(coordinator).nodes)
     if as_json:
         return print_json(rows)
-    table = Table("NODE", "STATE", "ONLINE", "GPUS", "CPU/RAM", "PRICE", "JOB", "LAST SEEN", "ADVERT")
+    table = Table("NODE", "STATE", "ONLINE", "GPUS", "CPU/RAM", "PRICE", "MESH", "JOB", "LAST SEEN", "ADVERT")
     for n in rows:
         gpus = ", ".join(f"{g['count']}x {g['model']} {g['memory_gb']:.0f}G" for g in n["resources"]["gpus"]) or "cpu"
         advert = n["advert"]
         advert_text = "-" if advert is None else f"{advert['state']}, {advert['expires_at'] - time.time():.0f}s left"
-        table.add_row(n["id"], n["state"], "yes" if n["online"] else "no", gpus,
+        table.add_row(n["id"], "revoked" if n["revoked"] else n["state"], "yes" if n["online"] else "no", gpus,
                       f"{n['resources']['cpu_cores']}c/{n['resources']['ram_gb']:.0f}G",
-                      f"{n['price_per_gpu_hour']:.2f}", n["job_id"] or "-", ago(n["last_seen"]), advert_text)
+                      f"{n['price_per_gpu_hour']:.2f}", n["mesh_address"] or "-", n["job_id"] or "-",
+                      ago(n["last_seen"]), advert_text)
     console.print(table if rows else "no nodes registered")
+
+
+@nodes_app.command("revoke")
+def nodes_revoke(
+    node_id: str,
+    admin_token: Annotated[str | None, typer.Option(envvar="GPUSWARM_ADMIN_TOKEN",
+                                                    help="Admin token (default: read from --data-dir).")] = None,
+    data_dir: Annotated[Path, typer.Option(help="Coordinator data dir holding admin.token.")] = Path("var/coordinator"),
+    coordinator: CoordinatorURL = DEFAULT_URL,
+    as_json: JsonFlag = False,
+) -> None:
+    """Revoke a node: every peer drops it from the mesh within seconds, and its later requests are refused."""
+    if admin_token is None:
+        try:
+            admin_token = (data_dir / "admin.token").read_text().strip()
+        except OSError as e:
+            raise fail(f"no --admin-token given and cannot read {data_dir / 'admin.token'}: {e.strerror}") from None
+    result = call(CoordinatorClient(coordinator, admin_token=admin_token).revoke_node, node_id)
+    print_json(result) if as_json else console.print(f"node {node_id} revoked")

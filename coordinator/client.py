@@ -23,14 +23,17 @@ class ApiClientError(Exception):
 
 
 class CoordinatorClient:
-    def __init__(self, base_url: str = DEFAULT_URL, timeout: float = 10.0):
+    def __init__(self, base_url: str = DEFAULT_URL, timeout: float = 10.0, admin_token: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.admin_token = admin_token
 
     def _open(self, method: str, path: str, body: Any = None):
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"} if data else {})
+        headers = {"Content-Type": "application/json"} if data else {}
+        if self.admin_token:
+            headers["Authorization"] = f"Bearer {self.admin_token}"
+        request = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as e:
@@ -64,6 +67,9 @@ class CoordinatorClient:
 
     def nodes(self) -> list[dict]:
         return self.request("GET", "/v1/nodes")["nodes"]
+
+    def revoke_node(self, node_id: str) -> dict:
+        return self.request("POST", f"/v1/nodes/{node_id}/revoke", {})
 
     def download_artifact(self, job_id: str, name: str, dest: Path) -> str:
         """Stream an artifact to `dest`, check it against the SHA-256 the coordinator recorded, return the digest."""

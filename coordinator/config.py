@@ -24,6 +24,8 @@ class CoordinatorConfig:
     max_job_failures: int = 3
     loop_interval: float = 1.0
     start_dht: bool = True
+    mesh_cidr: str = "10.77.0.0/16"  # gpuswarm.mesh.ipam.DEFAULT_CIDR; nodes' mesh addresses come from here
+    mesh_poll_timeout: float = 20.0  # longest a peer-list long-poll is held open
 
     @property
     def db_url(self) -> str:
@@ -32,6 +34,10 @@ class CoordinatorConfig:
     @property
     def artifact_dir(self) -> Path:
         return self.data_dir / "artifacts"
+
+    @property
+    def admin_token_file(self) -> Path:
+        return self.data_dir / "admin.token"
 
 
 CONFIG = web.AppKey("config", CoordinatorConfig)
@@ -42,3 +48,5 @@ ADVERTS = web.AppKey("adverts", dict)
 
 
 DHT = web.AppKey("dht", object)  # the hivemind.DHT bootstrap peer, when started
+MESH_VERSION = web.AppKey("mesh_version", object)  # coordinator.mesh.MeshVersion
+ADMIN_TOKEN = web.AppKey("admin_token", str)

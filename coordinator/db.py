@@ -33,6 +33,20 @@ class Node(Base):
     registered_at: Mapped[float] = mapped_column(Float)
     last_seen: Mapped[float] = mapped_column(Float)
     online: Mapped[bool] = mapped_column(Boolean, default=True)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The mesh: WireGuard key, mesh address (from IPAM) and candidate endpoints, best first. Null without mesh.
+    wg_public_key: Mapped[str | None] = mapped_column(String(44), nullable=True)
+    mesh_address: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    mesh_endpoints: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class MeshIPAM(Base):
+    """The IPAM state (`gpuswarm.mesh.ipam`), one JSON row, changed only inside a write transaction."""
+
+    __tablename__ = "mesh_ipam"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    state: Mapped[dict[str, Any]]
 
 
 class Job(Base):

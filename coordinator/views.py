@@ -17,7 +17,7 @@ import time
 from typing import Any, TypeVar
 
 from aiohttp import web
-from gpuswarm.coordinator.config import ADVERTS, CONFIG, DHT_PEERS, SESSIONS, WAKE
+from gpuswarm.coordinator.config import ADMIN_TOKEN, ADVERTS, CONFIG, DHT_PEERS, MESH_VERSION, SESSIONS, WAKE
 from gpuswarm.coordinator.db import Artifact, AssignmentRow, Contribution, Job, JobEvent, Node, remember_nonce
 from gpuswarm.coordinator.errors import (
     BadRequest,
@@ -29,6 +29,7 @@ from gpuswarm.coordinator.errors import (
     Unprocessable,
     validation_details,
 )
+from gpuswarm.coordinator.mesh import assign_address, mesh_config, release_address
 from gpuswarm.proto.dht import job_run_id
 from gpuswarm.proto.models import (
     ArtifactMeta,
@@ -39,6 +40,7 @@ from gpuswarm.proto.models import (
     Heartbeat,
     JobSpec,
     JobState,
+    MeshPoll,
     NodeRegistration,
     NodeState,
     RegistrationResponse,
@@ -110,6 +112,8 @@ async def known_node(session: AsyncSession, envelope: SignedEnvelope, node_id: s
         raise NotFound(f"node {node_id} is not registered", code="unknown_node")
     if node.public_key != envelope.public_key:
         raise Unauthorized("signed with a key that is not this node's", code="bad_signature")
+    if node.revoked:
+        raise Forbidden(f"node {node_id} has been revoked", code="revoked")
     await remember_nonce(session, envelope.nonce, envelope.timestamp + 2 * MAX_CLOCK_SKEW)
     return node
 
@@ -124,6 +128,27 @@ async def get_job(session: AsyncSession, job_id: str) -> Job:
 def wake(request: web.Request) -> None:
     if WAKE in request.app:
         request.app[WAKE].set()
+
+
+async def mesh_changed(request: web.Request) -> int:
+    """Tell long-polling nodes that peer lists changed; returns the new mesh version."""
+    return await request.app[MESH_VERSION].bump()
+
+
+def require_admin(request: web.Request) -> None:
+    expected = request.app[ADMIN_TOKEN]
+    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    if not given or not secrets.compare_digest(given, expected):
+        raise Unauthorized("this needs the admin token (Authorization: Bearer ...; see DATA_DIR/admin.token)",
+                           code="admin_only")
+
+
+def observed_endpoint(request: web.Request, port: int) -> str | None:
+    """The address the node's request came from, with its WireGuard port: a candidate it may not know itself."""
+    host = request.remote
+    if not host:
+        return None
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # ---------------------------------------------------------------------------------------------------- shapes
@@ -145,7 +170,9 @@ def node_json(node: Node, adverts: dict) -> dict:
         "id": node.id, "state": node.state, "online": node.online, "resources": node.resources,
         "software_version": node.software_version, "price_per_gpu_hour": node.price_per_gpu_hour,
         "endpoints": node.endpoints, "registered_at": node.registered_at, "last_seen": node.last_seen,
-        "advert": None if advert is None else {"state": advert["state"], "expires_at": advert["dht_expiry"]},
+        "revoked": node.revoked, "mesh_address": node.mesh_address, "mesh_endpoints": node.mesh_endpoints,
+        "advert": None if advert is None else {"state": advert["state"], "expires_at": advert["dht_expiry"],
+                                                "maddrs": advert["maddrs"]},
     }
 
 
@@ -187,16 +214,34 @@ async def register(request: web.Request) -> web.Response:
         if node is None:
             node = Node(id=reg.node_id, public_key=envelope.public_key, registered_at=now)
             session.add(node)
+        elif node.revoked:
+            raise Forbidden(f"node {reg.node_id} has been revoked", code="revoked")
         node.resources = reg.resources.model_dump(mode="json")
         node.software_version = reg.software_version
         node.price_per_gpu_hour = reg.price_per_gpu_hour
         # The address the coordinator saw the node from is a candidate endpoint the node itself may not know.
         node.endpoints = list(dict.fromkeys([*reg.endpoints, *([request.remote] if request.remote else [])]))
         node.state, node.online, node.last_seen = NodeState.IDLE.value, True, now
-    logger.info("node %s registered (%d GPU(s), %s)", reg.node_id, reg.resources.gpu_count, reg.software_version)
+        if reg.mesh is not None:
+            if node.wg_public_key and node.wg_public_key != reg.mesh.public_key:
+                await release_address(session, config.mesh_cidr, node.wg_public_key, now)
+            node.wg_public_key = reg.mesh.public_key
+            node.mesh_address = await assign_address(session, config.mesh_cidr, reg.mesh.public_key, now)
+            observed = observed_endpoint(request, reg.mesh.listen_port)
+            node.mesh_endpoints = list(dict.fromkeys([*reg.mesh.endpoints, *([observed] if observed else [])]))
+        else:
+            node.mesh_address = None
+    logger.info("node %s registered (%d GPU(s), %s, %s)", reg.node_id, reg.resources.gpu_count,
+                reg.software_version, f"mesh {node.mesh_address}" if reg.mesh else "no mesh")
     wake(request)
+    mesh = None
+    if reg.mesh is not None:
+        version = await mesh_changed(request)
+        async with request.app[SESSIONS]() as session:
+            mesh = await mesh_config(session, await session.get(Node, reg.node_id), config.mesh_cidr, version)
     response = RegistrationResponse(node_id=reg.node_id, dht_initial_peers=request.app[DHT_PEERS],
-                                    heartbeat_interval=config.heartbeat_interval, advert_ttl=config.advert_ttl)
+                                    heartbeat_interval=config.heartbeat_interval, advert_ttl=config.advert_ttl,
+                                    mesh=mesh)
     return web.json_response(response.model_dump(mode="json"))
 
 
@@ -206,7 +251,9 @@ async def heartbeat(request: web.Request) -> web.Response:
     config, now = request.app[CONFIG], time.time()
     async with request.app[SESSIONS].begin() as session:
         node = await known_node(session, envelope, hb.node_id)
+        was_online = node.online
         node.last_seen, node.state, node.online = now, hb.state.value, hb.state is not NodeState.OFFLINE
+        membership_changed = node.mesh_address is not None and was_online != node.online
         active = {a.job_id: a for a in (await session.scalars(select(AssignmentRow).where(
             AssignmentRow.node_id == node.id, AssignmentRow.state == AssignmentState.ACTIVE.value))).all()}
         for p in hb.progress:
@@ -233,7 +280,49 @@ async def heartbeat(request: web.Request) -> web.Response:
             await lose_assignments(session, node.id, now, "node went offline")
     if hb.failures or hb.state is NodeState.OFFLINE:
         wake(request)
+    if membership_changed:
+        await mesh_changed(request)
     return web.json_response({"ok": True, "server_time": now})
+
+
+@routes.post("/v1/mesh/peers")
+async def mesh_peers(request: web.Request) -> web.Response:
+    """Long-poll: answers as soon as the mesh version passes `since` (at once if it already has), or after
+    `mesh_poll_timeout` seconds with the current list. Nodes apply joins, leaves and revocations from here."""
+    envelope, poll = await read_signed(request, "mesh_poll", MeshPoll)
+    config = request.app[CONFIG]
+    async with request.app[SESSIONS].begin() as session:
+        node = await known_node(session, envelope, poll.node_id)
+        if node.mesh_address is None:
+            raise Conflict(f"node {node.id} registered without the mesh", code="no_mesh")
+    version = await request.app[MESH_VERSION].wait_past(poll.since, config.mesh_poll_timeout)
+    async with request.app[SESSIONS]() as session:
+        node = await session.get(Node, poll.node_id)
+        if node.revoked:
+            raise Forbidden(f"node {node.id} has been revoked", code="revoked")
+        mesh = await mesh_config(session, node, config.mesh_cidr, version)
+    return web.json_response(mesh.model_dump(mode="json"))
+
+
+@routes.post("/v1/nodes/{node_id}/revoke")
+async def revoke_node(request: web.Request) -> web.Response:
+    """Admin: remove a node from every peer's mesh, end its assignments, refuse its later requests."""
+    require_admin(request)
+    node_id, now = request.match_info["node_id"], time.time()
+    async with request.app[SESSIONS].begin() as session:
+        node = await session.get(Node, node_id)
+        if node is None:
+            raise NotFound(f"node {node_id} is not registered", code="unknown_node")
+        if node.revoked:
+            raise Conflict(f"node {node_id} is already revoked", code="revoked")
+        node.revoked, node.online, node.state = True, False, NodeState.OFFLINE.value
+        if node.wg_public_key:
+            await release_address(session, request.app[CONFIG].mesh_cidr, node.wg_public_key, now)
+        await lose_assignments(session, node.id, now, "node revoked")
+    logger.warning("node %s revoked", node_id)
+    await mesh_changed(request)
+    wake(request)
+    return web.json_response({"ok": True, "node_id": node_id, "revoked": True})
 
 
 @routes.post("/v1/nodes/assignments")

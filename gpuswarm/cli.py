@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from gpuswarm.coordinator.cli import coordinator_app, job_app, nodes
+from gpuswarm.coordinator.cli import coordinator_app, job_app, nodes_app
+from gpuswarm.mesh.cli import mesh_app
 from gpuswarm.node.cli import node_app
 
 app = typer.Typer(help="gpuswarm: a peer-to-peer GPU marketplace.", no_args_is_help=True,
@@ -12,7 +13,8 @@ app = typer.Typer(help="gpuswarm: a peer-to-peer GPU marketplace.", no_args_is_h
 app.add_typer(coordinator_app, name="coordinator")
 app.add_typer(node_app, name="node")
 app.add_typer(job_app, name="job")
-app.command("nodes")(nodes)
+app.add_typer(mesh_app, name="mesh")
+app.add_typer(nodes_app, name="nodes")
 
 
 def main() -> None:

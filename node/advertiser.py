@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from gpuswarm.node.identity import Identity
 from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY, NodeAdvertValidator
 from gpuswarm.proto.models import NodeAdvert, NodeState, Resources
 
 logger = logging.getLogger(__name__)
+DHT_START_TIMEOUT = 60.0
 
 
 class Advertiser:
@@ -26,15 +28,27 @@ class Advertiser:
         self.dht = None
         self.state = NodeState.STARTING
         self._task: asyncio.Task | None = None
+        # Its own threads for blocking hivemind calls, kept off asyncio's default executor (see shutdown).
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dht")
 
     async def start(self, initial_peers: list[str]) -> None:
         """Start the DHT peer and the first declaration; raise if the DHT cannot start (the `_ready` contract)."""
         import hivemind
 
         loop = asyncio.get_running_loop()
-        self.dht = await loop.run_in_executor(None, lambda: hivemind.DHT(
-            initial_peers=initial_peers, host_maddrs=[f"/ip4/{self.host}/tcp/0"], start=True,
-            record_validators=[NodeAdvertValidator()]))
+
+        def start_dht():
+            dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{self.host}/tcp/0"], start=False,
+                               record_validators=[NodeAdvertValidator()])
+            dht.run_in_background(await_ready=False)
+            try:  # bounded: a DHT process that never comes up must not stall the daemon's loop
+                dht.wait_until_ready(timeout=DHT_START_TIMEOUT)
+            except BaseException:
+                dht.terminate()
+                raise
+            return dht
+
+        self.dht = await loop.run_in_executor(self._executor, start_dht)
         await self.declare()
         self._task = asyncio.create_task(self._run(), name="dht-advertiser")
 
@@ -51,7 +65,7 @@ class Advertiser:
         expires = get_dht_time() + (ttl or self.ttl)
         value = self.advert(state or self.state, expires)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: self.dht.store(
+        return await loop.run_in_executor(self._executor, lambda: self.dht.store(
             NODES_KEY, subkey=self.identity.node_id, value=value, expiration_time=expires))
 
     async def _run(self) -> None:
@@ -78,5 +92,7 @@ class Advertiser:
             await asyncio.wait_for(self.declare(NodeState.OFFLINE, ttl=max(60.0, self.ttl)), timeout=5)
         except Exception as e:  # goodbye is best effort: the TTL removes the advert anyway
             logger.warning("could not publish the offline advert: %r", e)
-        await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.dht.shutdown)
         self.dht = None
+        # A store that outlived the DHT may still block a thread; asyncio.run must not wait for it at exit.
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -23,13 +25,20 @@ def start(
                                            "address once the WireGuard mesh exists).")] = "127.0.0.1",
     price: Annotated[float, typer.Option(help="Ask price per GPU-hour.")] = 0.0,
     cpu: Annotated[bool, typer.Option("--cpu", help="Offer CPU only, even if GPUs are present.")] = False,
+    mesh: Annotated[bool, typer.Option("--mesh/--no-mesh", help="Join the WireGuard mesh (needs root and "
+                                       "wireguard-go or the kernel module). --no-mesh: loopback or LAN, "
+                                       "UNENCRYPTED, for development.")] = True,
+    listen_port: Annotated[int, typer.Option(help="WireGuard UDP port.")] = 51820,
+    endpoint: Annotated[list[str] | None, typer.Option(help="HOST:PORT where peers can reach this node's "
+                                                       "WireGuard (repeatable; default: local addresses).")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Register with the coordinator, advertise this machine in the DHT, and train assigned jobs until SIGTERM."""
     from gpuswarm.node.client import CoordinatorClient
-    from gpuswarm.node.daemon import NodeConfig, NodeDaemon
+    from gpuswarm.node.daemon import NodeConfig, NodeDaemon, NodeRevoked
     from gpuswarm.node.gpu import probe
     from gpuswarm.node.identity import IdentityError, load_or_create
+    from gpuswarm.node.meshlink import MeshUnavailable
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -37,8 +46,10 @@ def start(
     except IdentityError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
+    if not mesh:
+        typer.echo(f"WARNING: --no-mesh: hivemind traffic on {host} is NOT encrypted (development only)", err=True)
     config = NodeConfig(coordinator_url=coordinator, state_dir=state_dir, host=host, price_per_gpu_hour=price,
-                        endpoints=[host])
+                        endpoints=[host], mesh=mesh, mesh_listen_port=listen_port, mesh_endpoints=endpoint or [])
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -48,7 +59,18 @@ def start(
         async with CoordinatorClient(coordinator, identity) as client:
             await NodeDaemon(config, identity, probe(force_cpu=cpu), client).run(stop)
 
-    asyncio.run(main())
+    code = 0
+    try:
+        asyncio.run(main())
+    except (MeshUnavailable, NodeRevoked) as e:
+        typer.echo(f"error: {e}", err=True)
+        code = 1
+    # The daemon's own shutdown is bounded and done by now. A hivemind call that outlived its DHT can leave an
+    # executor thread blocked, and interpreter exit would wait for it; so leave without waiting.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @node_app.command("id")

@@ -20,11 +20,14 @@ from gpuswarm.proto.models import (
     AssignmentPoll,
     ContributionClaim,
     Heartbeat,
+    MeshConfig,
+    MeshPoll,
     NodeRegistration,
     RegistrationResponse,
 )
 
 ENVELOPE_HEADER = "X-Gpuswarm-Envelope"
+MESH_POLL_TIMEOUT = 40.0  # longer than the coordinator holds a long-poll (20 s)
 
 
 class CoordinatorUnavailable(ConnectionError):
@@ -70,8 +73,9 @@ class CoordinatorClient:
         except json.JSONDecodeError:
             raise CoordinatorUnavailable("coordinator sent a response that is not JSON") from None
 
-    async def _signed(self, path: str, kind: str, payload: dict) -> Any:
-        return await self._request("POST", path, json=self.identity.sign(kind, payload).model_dump(mode="json"))
+    async def _signed(self, path: str, kind: str, payload: dict, **kwargs) -> Any:
+        envelope = self.identity.sign(kind, payload).model_dump(mode="json")
+        return await self._request("POST", path, json=envelope, **kwargs)
 
     async def register(self, registration: NodeRegistration) -> RegistrationResponse:
         data = await self._signed("/v1/nodes/register", "register", registration.model_dump(mode="json"))
@@ -84,6 +88,13 @@ class CoordinatorClient:
         data = await self._signed("/v1/nodes/assignments", "poll",
                                   AssignmentPoll(node_id=self.identity.node_id).model_dump(mode="json"))
         return [Assignment.model_validate(a) for a in data["assignments"]]
+
+    async def mesh_peers(self, since: int) -> MeshConfig:
+        """Long-poll: returns when the coordinator's mesh version passes `since` (or after its poll timeout)."""
+        data = await self._signed("/v1/mesh/peers", "mesh_poll",
+                                  MeshPoll(node_id=self.identity.node_id, since=since).model_dump(mode="json"),
+                                  timeout=aiohttp.ClientTimeout(total=MESH_POLL_TIMEOUT))
+        return MeshConfig.model_validate(data)
 
     async def report(self, claim: ContributionClaim) -> None:
         await self._signed("/v1/contributions", "contribution", claim.model_dump(mode="json"))

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuswarm.node.advertiser import Advertiser
 from gpuswarm.node.client import CoordinatorUnavailable, Rejected
 from gpuswarm.node.identity import Identity
+from gpuswarm.node.meshlink import MeshLink, MeshUnavailable
 from gpuswarm.node.outbox import Outbox
 from gpuswarm.node.runner import JobRunner, RunningJob
 from gpuswarm.node.states import Facts, next_state
@@ -32,7 +34,12 @@ from gpuswarm.proto.models import (
 from gpuswarm import __version__
 
 logger = logging.getLogger(__name__)
+ENDPOINT_RECHECK = 3.0  # seconds between looks at this host's addresses (mesh endpoint changes)
 STOP_TIMEOUT = 20.0  # seconds a training process gets to leave its averaging round after SIGTERM
+
+
+class NodeRevoked(RuntimeError):
+    """The coordinator revoked this node: it refuses everything we send, so the daemon stops."""
 
 
 @dataclass
@@ -43,6 +50,9 @@ class NodeConfig:
     price_per_gpu_hour: float = 0.0
     shutdown_timeout: float = 30.0
     endpoints: list[str] = field(default_factory=list)
+    mesh: bool = False  # join the WireGuard mesh; hivemind then binds to the mesh address instead of `host`
+    mesh_listen_port: int = 51820
+    mesh_endpoints: list[str] = field(default_factory=list)  # candidates for peers; empty = this host's addresses
 
 
 @dataclass
@@ -65,6 +75,12 @@ class NodeDaemon:
         self.advertiser = Advertiser(identity, resources, __version__, config.price_per_gpu_hour, config.host,
                                      ttl=30.0)
         self._dht_peers: list[str] = []
+        self.mesh = MeshLink(config.state_dir, config.mesh_listen_port, config.mesh_endpoints or None) \
+            if config.mesh else None
+        self._mesh_task: asyncio.Task | None = None
+        self._registered_endpoints: list[str] = []
+        self._endpoints_checked = time.monotonic()
+        self._stop_mesh = asyncio.Event()
         self._failures: list[AssignmentFailure] = []
         self._uploads: list[PendingUpload] = []
         self._seen_assignments: set[int] = set()  # never restart an assignment that already ran here
@@ -80,6 +96,8 @@ class NodeDaemon:
             while not stop.is_set():
                 try:
                     await self.step()
+                except (MeshUnavailable, NodeRevoked):
+                    raise  # nothing to retry: stop and say why
                 except Exception:  # one bad round never ends the daemon
                     logger.exception("supervisor step failed; continuing")
                 with contextlib.suppress(TimeoutError):
@@ -88,6 +106,8 @@ class NodeDaemon:
             await asyncio.wait_for(self.shutdown(), timeout=self.config.shutdown_timeout)
 
     async def step(self) -> None:
+        if self.mesh is not None and self.registered:
+            await self._check_endpoints()
         if not self.registered:
             await self._register()
         if self.registered and self.advertiser.dht is None:
@@ -118,7 +138,9 @@ class NodeDaemon:
         registration = NodeRegistration(node_id=self.identity.node_id, resources=self.resources,
                                         software_version=__version__,
                                         price_per_gpu_hour=self.config.price_per_gpu_hour,
-                                        endpoints=self.config.endpoints)
+                                        endpoints=self.config.endpoints,
+                                        mesh=await self.mesh.registration() if self.mesh else None)
+        self._registered_endpoints = registration.mesh.endpoints if registration.mesh else []
         try:
             response = await self.client.register(registration)
         except CoordinatorUnavailable as e:
@@ -126,15 +148,44 @@ class NodeDaemon:
             logger.warning("%s; retrying in %.0fs", e, self.interval)
             return
         except Rejected as e:
+            self._raise_if_revoked(e)
             logger.error("the coordinator refused our registration: %s", e)
             return
+        if self.mesh is not None:
+            if response.mesh is None:
+                raise MeshUnavailable("the coordinator registered us without a mesh address")
+            await self.mesh.apply(response.mesh)  # raises MeshUnavailable: the daemon cannot run as asked
+            # hivemind binds to and announces only the mesh address from here on.
+            self.advertiser.host = self.runner.host = self.mesh.address
+            # A fresh long-poll after every registration: after an address change the old one may hang on a
+            # connection from an address this host no longer has.
+            if self._mesh_task is not None:
+                self._mesh_task.cancel()
+            self._mesh_task = asyncio.create_task(self.mesh.follow(self.client, self._stop_mesh),
+                                                  name="mesh-follow")
+        else:
+            logger.warning("no WireGuard mesh (--no-mesh): hivemind traffic on %s is NOT encrypted",
+                           self.config.host)
         self.registered, self.reachable = True, True
         self.interval = response.heartbeat_interval
         self.advertiser.ttl = response.advert_ttl
         self._dht_peers = response.dht_initial_peers
-        if response.mesh is None:
-            logger.warning("no WireGuard mesh: hivemind traffic on %s is NOT encrypted", self.config.host)
         logger.info("registered as %s", self.identity.node_id)
+
+    @staticmethod
+    def _raise_if_revoked(error: Rejected) -> None:
+        if error.code == "revoked":
+            raise NodeRevoked(f"the coordinator revoked this node: {error.message}")
+
+    async def _check_endpoints(self) -> None:
+        """Re-register when this host's addresses change, so that peers learn the new endpoint within seconds."""
+        if time.monotonic() - self._endpoints_checked < ENDPOINT_RECHECK:
+            return
+        self._endpoints_checked = time.monotonic()
+        endpoints = (await self.mesh.registration()).endpoints
+        if endpoints != self._registered_endpoints:
+            logger.info("local endpoints changed %s -> %s; registering again", self._registered_endpoints, endpoints)
+            self.registered = False
 
     async def _start_advertiser(self) -> None:
         try:
@@ -142,7 +193,7 @@ class NodeDaemon:
             logger.info("DHT peer up at %s; advert declared", ", ".join(
                 str(m) for m in self.advertiser.dht.get_visible_maddrs()))
         except Exception as e:
-            logger.error("could not start the DHT advertiser (%r); retrying", e)
+            logger.error("could not start the DHT peer for the advert (%r); retrying", e)
             self.advertiser.dht = None
 
     def _collect_exits(self) -> None:
@@ -167,6 +218,7 @@ class NodeDaemon:
             self.reachable = False
             return
         except Rejected as e:
+            self._raise_if_revoked(e)
             if e.code == "unknown_node":
                 logger.warning("the coordinator no longer knows this node; registering again")
                 self.registered = False
@@ -266,4 +318,12 @@ class NodeDaemon:
                 await asyncio.wait_for(self.client.heartbeat(Heartbeat(
                     node_id=self.identity.node_id, state=NodeState.OFFLINE)), timeout=3)
         await self.advertiser.shutdown()
+        if self.mesh is not None:
+            self._stop_mesh.set()
+            if self._mesh_task is not None:
+                self._mesh_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._mesh_task
+            with contextlib.suppress(Exception):
+                await self.mesh.close()
         logger.info("node %s stopped", self.identity.node_id)

@@ -2,17 +2,16 @@
 
 Owns starting a training process for an assignment, reading its JSON-line events, stopping it within a bounded
 time (SIGTERM, then SIGKILL), and noticing when it crashed. A crash in a job never reaches the daemon: it becomes
-a failure the daemon reports. The child gets SIGTERM if the daemon itself dies (PR_SET_PDEATHSIG).
+a failure the daemon reports. The child asks for SIGTERM if the daemon itself dies (see `worker.die_with_parent`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
-import signal
+import os
 import sys
 import time
 from collections import deque
@@ -20,16 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpuswarm.node.worker import EVENT_PREFIX
+from gpuswarm.node.worker import EVENT_PREFIX, PARENT_PID_ENV
 from gpuswarm.proto.models import Assignment, Progress
 
 logger = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -61,7 +54,10 @@ class JobRunner:
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "gpuswarm.node.worker", str(spec_path), "--host", self.host,
-                "--workdir", str(workdir), stdout=asyncio.subprocess.PIPE, stderr=log, preexec_fn=_die_with_parent,
+                "--workdir", str(workdir), stdout=asyncio.subprocess.PIPE, stderr=log,
+                # No preexec_fn: forking a threaded daemon and running Python before exec can deadlock the child
+                # while the parent's event loop waits for the exec. The worker sets its own parent-death signal.
+                env=os.environ | {PARENT_PID_ENV: str(os.getpid())},
             )
         finally:
             log.close()

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 EVENT_PREFIX = "@gpuswarm "
+PARENT_PID_ENV = "GPUSWARM_PARENT_PID"
+PR_SET_PDEATHSIG = 1
 RENDEZVOUS_TIMEOUT = 60.0
 MEMBER_RECORD_TTL = 24 * 3600.0
 logger = logging.getLogger("gpuswarm.worker")
@@ -172,12 +174,26 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event) -> in
         dht.shutdown()
 
 
+def die_with_parent() -> None:
+    """Get SIGTERM when the daemon dies (PR_SET_PDEATHSIG), so no job trains unaccounted after a daemon crash;
+    exit at once if it already died before this call."""
+    import ctypes
+
+    parent = int(os.environ.get(PARENT_PID_ENV, "0"))
+    if not parent:
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        sys.exit("the node daemon that started this training process is gone")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuswarm-worker")
     parser.add_argument("assignment", type=Path)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--workdir", type=Path, required=True)
     args = parser.parse_args(argv)
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -56,6 +56,18 @@ class Resources(WireModel):
         return max((g.memory_gb for g in self.gpus), default=0.0)
 
 
+WireGuardKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9+/]{42}[AEIMQUYcgkosw048]=$")]
+Endpoint = Annotated[str, StringConstraints(min_length=3, max_length=64)]  # "host:port" or "[v6]:port"
+
+
+class MeshRegistration(WireModel):
+    """The node's side of the mesh: its WireGuard key and where peers may reach it."""
+
+    public_key: WireGuardKey
+    listen_port: Annotated[int, Field(ge=1, le=65535)]
+    endpoints: list[Endpoint] = Field(default_factory=list, max_length=16)  # candidates, best first
+
+
 class NodeRegistration(WireModel):
     """Signed by the node; the coordinator upserts the node under `node_id`."""
 
@@ -64,6 +76,30 @@ class NodeRegistration(WireModel):
     software_version: ShortText
     price_per_gpu_hour: Price = 0.0
     endpoints: list[Annotated[str, StringConstraints(max_length=128)]] = Field(default_factory=list, max_length=16)
+    mesh: MeshRegistration | None = None  # None: the node runs without the mesh (--no-mesh)
+
+
+class MeshPeer(WireModel):
+    node_id: NodeId
+    public_key: WireGuardKey
+    address: Annotated[str, StringConstraints(max_length=64)]  # the peer's mesh address (allowed IP /32)
+    endpoints: list[Endpoint] = Field(default_factory=list, max_length=17)  # candidates, best first
+
+
+class MeshConfig(WireModel):
+    """A node's view of the mesh: its own address and every peer it should have, at a version."""
+
+    address: Annotated[str, StringConstraints(max_length=64)]
+    cidr: Annotated[str, StringConstraints(max_length=64)]
+    version: Annotated[int, Field(ge=0)]
+    peers: list[MeshPeer] = Field(default_factory=list, max_length=4096)
+
+
+class MeshPoll(WireModel):
+    """A long-poll for peer changes: answered as soon as the mesh version passes `since`."""
+
+    node_id: NodeId
+    since: Annotated[int, Field(ge=-1)] = -1
 
 
 class NodeState(enum.StrEnum):
@@ -249,9 +285,8 @@ class RegistrationResponse(WireModel):
     dht_initial_peers: list[Multiaddr]
     heartbeat_interval: NonNegFloat
     advert_ttl: NonNegFloat
-    # The mesh seam: the WireGuard issue fills this with the node's mesh address and peer list. None means the
-    # node uses its configured host address (loopback or LAN), unencrypted.
-    mesh: dict[str, Any] | None = None
+    # None: the node registered without the mesh and uses its configured host address, unencrypted.
+    mesh: MeshConfig | None = None
 
 
 _ID_RE = re.compile(JOB_ID_PATTERN)

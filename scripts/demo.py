@@ -8,7 +8,9 @@ SIGTERM included. Run it through scripts/demo, which sets up the virtual environ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -20,7 +22,9 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netlab  # noqa: E402
 from localswarm import LocalSwarm  # noqa: E402
+from meshswarm import MeshSwarm  # noqa: E402
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
 
@@ -31,48 +35,74 @@ def main() -> int:
     parser.add_argument("--target-accuracy", type=float, default=0.95)
     parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds of training")
     parser.add_argument("--dir", type=Path, default=Path("var/demo"), help="where state, logs and the model go")
+    parser.add_argument("--no-mesh", action="store_true", help="run on loopback even where the mesh could run")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up like Ctrl-C
 
     started = time.monotonic()
     shutil.rmtree(args.dir, ignore_errors=True)
-    swarm = LocalSwarm(args.dir.resolve())
-    try:
-        console.print(f"[bold]gpuswarm demo[/bold]: 1 coordinator + {args.nodes} nodes on this machine "
-                      f"(state and logs in {args.dir}/)")
-        console.print("[yellow]no WireGuard mesh in this build: hivemind runs over loopback, unencrypted[/yellow]")
-        swarm.start_coordinator()
-        console.print(f"coordinator up at {swarm.url}")
-        for i in range(args.nodes):
-            swarm.start_node(i)
-        nodes = swarm.wait_for_nodes(args.nodes)
-        console.print(f"{len(nodes)} nodes registered: {', '.join(n['id'] for n in nodes)}")
+    args.dir.mkdir(parents=True)
+    mesh_missing = "--no-mesh was given" if args.no_mesh else mesh_unavailable()
+    with contextlib.ExitStack() as stack:
+        if mesh_missing is None:
+            lab = stack.enter_context(netlab.NetLab(args.nodes + 1))
+            swarm, indices = MeshSwarm(lab, args.dir.resolve()), list(range(1, args.nodes + 1))
+            where = f"in {args.nodes + 1} network namespaces, over a WireGuard mesh (wireguard-go)"
+        else:
+            swarm, indices = LocalSwarm(args.dir.resolve()), list(range(args.nodes))
+            where = "on loopback"
+        try:
+            console.print(f"[bold]gpuswarm demo[/bold]: 1 coordinator + {args.nodes} nodes {where} "
+                          f"(state and logs in {args.dir}/)")
+            if mesh_missing:
+                console.print(f"[yellow]no WireGuard mesh ({mesh_missing}): hivemind runs over loopback, "
+                              "UNENCRYPTED[/yellow]")
+            swarm.start_coordinator()
+            console.print(f"coordinator up at {swarm.url}")
+            for i in indices:
+                swarm.start_node(i)
+            nodes = swarm.wait_for_nodes(args.nodes)
+            console.print(f"{len(nodes)} nodes registered: " + ", ".join(
+                n["id"] + (f" (mesh {n['mesh_address']})" if n.get("mesh_address") else "") for n in nodes))
 
-        spec = {"name": "demo-digits", "workload": "digits-mlp", "min_nodes": 2, "max_nodes": args.nodes,
-                "stop": {"target_accuracy": args.target_accuracy, "max_epochs": 60}}
-        job = swarm.client.submit_job(spec)
-        console.print(f"submitted job [bold]{job['id']}[/bold]: digits-mlp, target test accuracy "
-                      f"{args.target_accuracy}, 2-{args.nodes} nodes")
-        job = follow(swarm, job["id"], args.timeout)
-        if job["state"] != "completed":
-            console.print(f"[red]job ended {job['state']}[/red]: {job['error'] or ''}")
+            spec = {"name": "demo-digits", "workload": "digits-mlp", "min_nodes": 2, "max_nodes": args.nodes,
+                    "stop": {"target_accuracy": args.target_accuracy, "max_epochs": 60}}
+            job = swarm.client.submit_job(spec)
+            console.print(f"submitted job [bold]{job['id']}[/bold]: digits-mlp, target test accuracy "
+                          f"{args.target_accuracy}, 2-{args.nodes} nodes")
+            job = follow(swarm, job["id"], args.timeout)
+            if job["state"] != "completed":
+                console.print(f"[red]job ended {job['state']}[/red]: {job['error'] or ''}")
+                return 1
+            if mesh_missing is None:
+                status = lab.exec(indices[0], [sys.executable, "-m", "gpuswarm.cli", "mesh", "status", "--state-dir",
+                                               str(swarm.state_dir(indices[0]))], check=False)
+                console.print(f"\n$ gpuswarm mesh status   (on node {indices[0]})\n{status.stdout}{status.stderr}")
+            return report(swarm, job, args.dir, started)
+        except KeyboardInterrupt:
+            console.print("\n[yellow]interrupted; stopping the swarm[/yellow]")
+            return 130
+        except (TimeoutError, RuntimeError, AssertionError) as e:
+            console.print(f"[red]demo failed:[/red] {e}")
+            for name in ["coordinator", *(f"node-{i}" for i in indices)]:
+                console.print(f"[dim]--- {name}.log (tail) ---[/dim]\n{swarm.log_tail(name, 10)}")
             return 1
-        return report(swarm, job, args.dir, started)
-    except KeyboardInterrupt:
-        console.print("\n[yellow]interrupted; stopping the swarm[/yellow]")
-        return 130
-    except (TimeoutError, RuntimeError) as e:
-        console.print(f"[red]demo failed:[/red] {e}")
-        for name in ["coordinator", *(f"node-{i}" for i in range(args.nodes))]:
-            console.print(f"[dim]--- {name}.log (tail) ---[/dim]\n{swarm.log_tail(name, 10)}")
-        return 1
-    finally:
-        console.print("stopping coordinator and nodes ...")
-        swarm.stop()
-        console.print("all stopped")
+        finally:
+            console.print("stopping coordinator and nodes ...")
+            swarm.stop_all()
+            console.print("all stopped")
 
 
-def follow(swarm: LocalSwarm, job_id: str, timeout: float) -> dict:
+def mesh_unavailable() -> str | None:
+    """Why the demo cannot run its nodes in namespaces over the mesh here, or None if it can."""
+    if os.geteuid() != 0:
+        return "not root"
+    if shutil.which("wireguard-go") is None:
+        return "wireguard-go is not installed"
+    return netlab.unavailable_reason()
+
+
+def follow(swarm, job_id: str, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     seen_events, last_step = 0, -1
     while True:
@@ -93,7 +123,7 @@ def follow(swarm: LocalSwarm, job_id: str, timeout: float) -> dict:
         time.sleep(1.0)
 
 
-def report(swarm: LocalSwarm, job: dict, directory: Path, started: float) -> int:
+def report(swarm, job: dict, directory: Path, started: float) -> int:
     model = (directory / "model.pt").resolve()
     swarm.client.download_artifact(job["id"], "model.pt", model)
     evaluated = json.loads(subprocess.run(

@@ -57,7 +57,7 @@ class LocalSwarm:
 
     def start_node(self, index: int) -> subprocess.Popen:
         self.nodes[index] = self._spawn(f"node-{index}", "node", "start", "--coordinator", self.url,
-                                        "--state-dir", str(self.root / f"node-{index}"), "--cpu")
+                                        "--state-dir", str(self.root / f"node-{index}"), "--cpu", "--no-mesh")
         return self.nodes[index]
 
     def node_id(self, index: int) -> str:
@@ -109,6 +109,8 @@ class LocalSwarm:
                 os.killpg(p.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
+
+    stop_all = stop
 
     def __enter__(self) -> LocalSwarm:
         return self

@@ -30,12 +30,12 @@ import re
 import secrets
 import shutil
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+
+from gpuswarm.mesh.probe import icmp_ping
 
 LAB_PREFIX_RE = re.compile(r"^gsl[0-9a-f]{6}$")
 LAB_NAMESPACE_RE = re.compile(r"^(gsl[0-9a-f]{6})-(hub|n\d+)$")
@@ -256,44 +256,6 @@ class NetLab:
             "subnet": str(self.subnet),
             "nodes": [{"namespace": ns, "address": a} for ns, a in zip(self.namespaces, self.addresses, strict=True)],
         }
-
-
-def _checksum(data: bytes) -> int:
-    if len(data) % 2:
-        data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    total = (total >> 16) + (total & 0xFFFF)
-    total += total >> 16
-    return ~total & 0xFFFF
-
-
-def icmp_ping(address: str, count: int = 1, wait_s: float = 1.0) -> bool:
-    """Send up to `count` ICMP echo requests (one at a time, waiting `wait_s` for each); True at the first reply.
-    Needs root (a raw socket). A send error (no route, WireGuard's "required key not available") counts as lost."""
-    target = str(ipaddress.IPv4Address(address))
-    ident = os.getpid() & 0xFFFF
-    with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP) as sock:
-        for seq in range(1, count + 1):
-            payload = b"gpuswarm-netlab" + struct.pack("!d", time.time())
-            header = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
-            packet = struct.pack("!BBHHH", 8, 0, _checksum(header + payload), ident, seq) + payload
-            deadline = time.monotonic() + wait_s
-            try:
-                sock.sendto(packet, (target, 0))
-            except OSError:
-                time.sleep(max(0.0, deadline - time.monotonic()))
-                continue
-            while (left := deadline - time.monotonic()) > 0:
-                sock.settimeout(left)
-                try:
-                    data, (source, _) = sock.recvfrom(2048)
-                except TimeoutError:
-                    break
-                ihl = (data[0] & 0x0F) * 4
-                kind, _, _, reply_id, reply_seq = struct.unpack("!BBHHH", data[ihl : ihl + 8])
-                if source == target and kind == 0 and reply_id == ident and reply_seq == seq:
-                    return True
-    return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 def pytest_configure(config):
     # A SIGTERM (a CI timeout, a killed run) becomes KeyboardInterrupt, so fixtures still tear their swarms down:
     # swarm processes run in their own sessions and would otherwise outlive the test run.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -27,11 +27,23 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(autouse=True)
-def kill_leftover_children():
-    """Kill every process a test left behind (node daemons, training processes, p2pd), even after a failure."""
+def kill_leftover_children(request):
+    """Kill every process a test left behind (node daemons, training processes, p2pd), even after a failure.
+    A module whose tests start processes for a shared, module-scoped fixture marks itself `keep_processes`;
+    that fixture's own teardown stops them."""
+    if request.node.get_closest_marker("keep_processes"):
+        yield
+        return
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
-    leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    # New processes whose parent existed before the test belong to a longer-lived (module) fixture: leave them.
+    leftovers = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in before and not any(parent.pid in before for parent in p.parents()):
+                leftovers.append(p)
+        except psutil.NoSuchProcess:
+            pass
     for p in leftovers:
         try:
             p.kill()
