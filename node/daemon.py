@@ -91,7 +91,7 @@ class NodeDaemon:
 
     async def run(self, stop: asyncio.Event) -> None:
         logger.info("node %s starting (coordinator %s, hivemind on %s)", self.identity.node_id,
-                    self.config.coordinator_url, self.config.host)
+                    self.config.coordinator_url, "the mesh address" if self.mesh else self.config.host)
         try:
             while not stop.is_set():
                 try:
