@@ -6,6 +6,8 @@
 - `backend`: `MeshBackend` with `UserspaceBackend` (wireguard-go + pyroute2) and `KernelBackend` (netlink), and
   `choose_backend()`.
 - `reconciler`: `plan(current, desired)` (fewest changes) and `MeshAgent.reconcile(desired)`.
+- `paths`: pure path choice per peer (which candidate endpoint, failover, lowest RTT), `next_path(state, facts)`.
+- `probe`: ICMP echo RTTs through the mesh (`icmp_rtts` for many peers at once).
 
 Submodules are imported explicitly (`from gpuswarm.mesh.ipam import allocate`), so that the coordinator, which
 needs only IPAM, does not load pyroute2.

@@ -1,7 +1,8 @@
 """The mesh's command group: `gpuswarm mesh status`, this node's WireGuard interface and its peers.
 
-Reads the interface name and the peer map that the node daemon keeps in STATE_DIR/mesh.json, asks the device
-itself (UAPI) for endpoints, handshakes and byte counts, and measures each peer's RTT with one ICMP echo.
+Reads the interface name, the peer map and each peer's path (the path keeper's state, chosen endpoint and RTT)
+that the node daemon keeps in STATE_DIR/mesh.json, and asks the device itself (UAPI) for endpoints, handshakes
+and byte counts. A peer whose RTT the daemon has not measured gets one ICMP echo from here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _path(path: dict | None) -> str:
+    """The path keeper's state and which of the peer's candidates is in use, as in "settled 2/3" ("roamed": an
+    address the peer reached us from, not one it reported)."""
+    if not path:
+        return "-"
+    which = f"{path['candidate']}/{len(path.get('candidates', []))}" if path.get("candidate") else "roamed"
+    return f"{path['state']} {which}"
+
+
 @mesh_app.command("status")
 def status(
     state_dir: Annotated[Path, typer.Option(help="The node's state directory.")] = Path("var/node"),
@@ -49,16 +59,28 @@ def status(
         typer.echo(f"error: interface {saved['interface']} does not answer: {e}", err=True)
         raise typer.Exit(1) from None
     known = saved.get("peers", {})
+
+    def path_of(key: str) -> dict:
+        return known.get(key, {}).get("path") or {}
+
+    def rtt_ms(key: str) -> float | None:
+        if path_of(key).get("rtt_ms") is not None:
+            return path_of(key)["rtt_ms"]  # the daemon's own measurement over the path it settled on
+        if key not in known:
+            return None
+        seconds = icmp_rtt(known[key]["address"], wait_s=1.0)
+        return None if seconds is None else round(seconds * 1000, 3)
+
     with ThreadPoolExecutor(max_workers=16) as pool:
-        rtts = dict(zip([p.public_key for p in device.peers], pool.map(
-            lambda p: icmp_rtt(known[p.public_key]["address"], wait_s=1.0) if p.public_key in known else None,
-            device.peers), strict=True))
+        rtts = dict(zip([p.public_key for p in device.peers],
+                        pool.map(lambda p: rtt_ms(p.public_key), device.peers), strict=True))
     now = time.time()
     peers = [{
         "node_id": known.get(p.public_key, {}).get("node_id"), "public_key": p.public_key,
         "address": known.get(p.public_key, {}).get("address"), "endpoint": p.endpoint,
+        "candidates": known.get(p.public_key, {}).get("endpoints", []), "path": path_of(p.public_key) or None,
         "latest_handshake": p.latest_handshake, "rx_bytes": p.rx_bytes, "tx_bytes": p.tx_bytes,
-        "rtt_ms": None if rtts[p.public_key] is None else round(rtts[p.public_key] * 1000, 3),
+        "rtt_ms": rtts[p.public_key],
     } for p in device.peers]
     result = {"interface": saved["interface"], "backend": saved.get("backend"), "address": saved["address"],
               "cidr": saved["cidr"], "listen_port": device.listen_port, "public_key": device.public_key,
@@ -68,10 +90,10 @@ def status(
         return
     console.print(f"interface [bold]{result['interface']}[/bold] ({result['backend']})  address {result['address']}"
                   f"  network {result['cidr']}  port {result['listen_port']}  key {result['public_key']}")
-    table = Table("NODE", "MESH ADDRESS", "ENDPOINT", "HANDSHAKE", "RX", "TX", "RTT")
+    table = Table("NODE", "MESH ADDRESS", "ENDPOINT", "PATH", "HANDSHAKE", "RX", "TX", "RTT")
     for p in peers:
         handshake = "never" if p["latest_handshake"] is None else f"{now - p['latest_handshake']:.0f}s ago"
-        table.add_row(p["node_id"] or p["public_key"][:12], p["address"] or "-", p["endpoint"] or "-", handshake,
-                      _size(p["rx_bytes"]), _size(p["tx_bytes"]),
+        table.add_row(p["node_id"] or p["public_key"][:12], p["address"] or "-", p["endpoint"] or "-",
+                      _path(p["path"]), handshake, _size(p["rx_bytes"]), _size(p["tx_bytes"]),
                       "-" if p["rtt_ms"] is None else f"{p['rtt_ms']:.2f} ms")
     console.print(table if peers else "no peers")

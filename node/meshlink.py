@@ -1,12 +1,20 @@
-"""The node's link to the WireGuard mesh: its WireGuard key, the interface, and keeping peers current.
+"""The node's link to the WireGuard mesh: its WireGuard key, the interface, and keeping peers and paths current.
 
 Owns the node's WireGuard key file, bringing the interface up with the address the coordinator assigned,
 turning the coordinator's peer list into `PeerConfig`s for `mesh.reconciler.MeshAgent`, the long-poll loop that
-applies joins, leaves and revocations as the coordinator announces them, and `mesh.json` in the state directory
-(what `gpuswarm mesh status` reads). Backend calls block (netlink, UAPI), so they run in a worker thread.
+applies joins, leaves and revocations as the coordinator announces them, the path keeper, and `mesh.json` in the
+state directory (what `gpuswarm mesh status` reads). Backend calls block (netlink, UAPI), so they run in a worker
+thread.
 
-Path choice is simple for now: a peer's first candidate endpoint (its own report first, then the address the
-coordinator saw it from). Probing candidates by handshake and RTT is not built yet.
+Path choice: the coordinator's peer list is the source of each peer's candidate endpoints (its own report first,
+then the address the coordinator saw it from). A new peer starts on its first candidate. The path keeper, a task
+started with the interface (and stopped by `close()`), runs every `tick_s` (1 s): it sends an ICMP echo through
+the tunnel to each peer whose path is on trial or due a probe (`mesh.probe.icmp_rtts`, all at once), reads each
+peer's endpoint and latest handshake from the device, lets `mesh.paths.next_path` decide, and writes a changed
+endpoint as a one-field per-peer update through the reconciler's `MeshAgent.apply` (never `replace_peers`, so sessions
+survive). The rules (try the next candidate after 6 s without a handshake or echo, keep the lowest RTT, re-check
+every 5 min, fail over after 3 lost echoes or 180 s without a handshake) and why are in `gpuswarm.mesh.paths`.
+Each peer's path state, chosen endpoint and RTT go into mesh.json; `peer_rtts()` gives the RTTs by node id.
 """
 
 from __future__ import annotations
@@ -19,16 +27,32 @@ import json
 import logging
 import socket
 import struct
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gpuswarm.mesh.backend import MeshBackend, PeerConfig, choose_backend
 from gpuswarm.mesh.keys import load_or_create_private_key
-from gpuswarm.mesh.reconciler import MeshAgent
-from gpuswarm.proto.models import MeshConfig, MeshRegistration
+from gpuswarm.mesh.paths import (
+    PathFacts,
+    PathPhase,
+    PathState,
+    PathTimings,
+    next_path,
+    start,
+    wants_probe,
+    with_candidates,
+)
+from gpuswarm.mesh.probe import icmp_rtts
+from gpuswarm.mesh.reconciler import ChangeKind, MeshAgent, PeerChange
+from gpuswarm.mesh.uapi import normalize_endpoint
+from gpuswarm.proto.models import MeshConfig, MeshPeer, MeshRegistration
 
 logger = logging.getLogger(__name__)
 SIOCGIFADDR = 0x8915
-KEEPALIVE = 25  # seconds; keeps NAT mappings open and handshakes fresh for status
+KEEPALIVE = 25  # seconds; keeps NAT mappings open and handshakes fresh (mesh.paths relies on it for staleness)
+STATUS_EVERY = 5.0  # seconds between mesh.json rewrites for fresh RTTs alone (a path change writes at once)
+Prober = Callable[[list[str], float], dict[str, float | None]]  # (mesh addresses, wait) -> seconds or None
 
 
 class MeshUnavailable(RuntimeError):
@@ -54,15 +78,40 @@ def local_endpoints(port: int) -> list[str]:
     return found
 
 
+def candidate_endpoints(peer: MeshPeer) -> list[str]:
+    """The peer's candidates as the device writes endpoints (canonical IP:port); names the UAPI cannot take are
+    skipped."""
+    found = []
+    for endpoint in peer.endpoints:
+        try:
+            found.append(normalize_endpoint(endpoint))
+        except ValueError:
+            logger.debug("peer %s: endpoint %r is not IP:port; skipped", peer.node_id, endpoint)
+    return list(dict.fromkeys(found))
+
+
 class MeshLink:
     def __init__(self, state_dir: Path, listen_port: int, endpoints: list[str] | None = None,
-                 backend: MeshBackend | None = None):
+                 backend: MeshBackend | None = None, *, timings: PathTimings | None = None,
+                 prober: Prober | None = None, tick_s: float = 1.0, probe_wait_s: float = 1.0):
+        """`timings`, `prober` (ICMP through the tunnel by default), `tick_s` and `probe_wait_s` drive the path
+        keeper; tests shrink them."""
         self.state_dir, self.listen_port = state_dir, listen_port
         self.keys = load_or_create_private_key(state_dir / "wireguard.key")
         self._endpoints = endpoints
         self._backend = backend
         self.agent: MeshAgent | None = None
         self.config: MeshConfig | None = None
+        self.timings = timings or PathTimings()
+        self.tick_s, self.probe_wait_s = tick_s, probe_wait_s
+        self._prober = prober or icmp_rtts
+        self._probing = True  # off when raw sockets are refused: paths are then judged by handshakes alone
+        self._peers: dict[str, MeshPeer] = {}  # by WireGuard public key
+        self._paths: dict[str, PathState] = {}
+        self._lock = asyncio.Lock()  # apply() and the path keeper both change peers' endpoints
+        self._paths_task: asyncio.Task | None = None
+        self._status_written = 0.0
+        self._status_signature: object = None
 
     @property
     def address(self) -> str | None:
@@ -72,8 +121,20 @@ class MeshLink:
         endpoints = self._endpoints or local_endpoints(self.listen_port)
         return MeshRegistration(public_key=self.keys.public_key, listen_port=self.listen_port, endpoints=endpoints)
 
+    def peer_rtts(self) -> dict[str, float]:
+        """{peer node id: RTT in ms over its settled path}, for the peers with a measured RTT."""
+        return {self._peers[key].node_id: round(state.rtt_ms, 3) for key, state in self._paths.items()
+                if state.rtt_ms is not None and key in self._peers}
+
     async def apply(self, config: MeshConfig) -> None:
-        """Bring the interface up on first use, then make its peers exactly `config.peers`."""
+        """Bring the interface up on first use (and start the path keeper), then make its peers exactly
+        `config.peers`."""
+        async with self._lock:
+            await self._apply(config)
+        if self._paths_task is None:
+            self._paths_task = asyncio.create_task(self._keep_paths(), name="mesh-paths")
+
+    async def _apply(self, config: MeshConfig) -> None:
         if self.agent is None:
             try:
                 backend = self._backend or choose_backend()
@@ -86,15 +147,101 @@ class MeshLink:
             self._backend, self.agent = backend, MeshAgent(backend)
             logger.info("mesh interface %s up (%s) at %s, port %d", backend.interface, backend.kind,
                         config.address, self.listen_port)
-        desired = [PeerConfig(public_key=p.public_key, allowed_ips=frozenset({f"{p.address}/32"}),
-                              endpoint=p.endpoints[0] if p.endpoints else None, persistent_keepalive=KEEPALIVE)
-                   for p in config.peers]
+        # A new peer starts on its first candidate. For a known peer the path keeper owns the endpoint: None
+        # ("no opinion") leaves the device's alone, unless the peer's new candidates no longer hold the one in use.
+        now = time.time()
+        desired, paths = [], {}
+        for p in config.peers:
+            old = self._paths.get(p.public_key)
+            new = start(candidate_endpoints(p), now) if old is None else \
+                with_candidates(old, candidate_endpoints(p), now)
+            paths[p.public_key] = new
+            desired.append(self._peer_config(p, new.endpoint if old is None or new.endpoint != old.endpoint
+                                             else None))
         changes = await asyncio.to_thread(self.agent.reconcile, desired)
         if changes:
             summary = ", ".join(f"{c.kind.value} {c.public_key[:8]}" for c in changes)
             logger.info("mesh v%d: %s", config.version, summary)
         self.config = config
-        self._write_status_file()
+        self._peers = {p.public_key: p for p in config.peers}
+        self._paths = paths
+        self._write_status_file(force=True)
+
+    @staticmethod
+    def _peer_config(peer: MeshPeer, endpoint: str | None) -> PeerConfig:
+        return PeerConfig(public_key=peer.public_key, allowed_ips=frozenset({f"{peer.address}/32"}),
+                          endpoint=endpoint, persistent_keepalive=KEEPALIVE)
+
+    async def _keep_paths(self) -> None:
+        """The path keeper: one `_check_paths` every `tick_s` until cancelled; a failed round never ends it."""
+        failures = 0
+        while True:
+            started = time.monotonic()
+            try:
+                await self._check_paths()
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:  # a gone device would otherwise flood the log
+                    logger.warning("mesh path check failed (%d in a row): %s", failures, e)
+            await asyncio.sleep(max(0.0, self.tick_s - (time.monotonic() - started)))
+
+    async def _probe(self, due: dict[str, PathState]) -> tuple[bool, dict[str, float]]:
+        """Echo the due peers through the tunnel: (whether echoes went out, RTT in ms by public key of those that
+        answered)."""
+        if not due or not self._probing:
+            return False, {}
+        addresses = {key: self._peers[key].address for key in due if key in self._peers}
+        try:
+            found = await asyncio.to_thread(self._prober, sorted(set(addresses.values())), self.probe_wait_s)
+        except PermissionError as e:
+            self._probing = False
+            logger.warning("no raw ICMP socket (%s): mesh paths are judged by handshakes alone, without RTTs", e)
+            return False, {}
+        except OSError as e:  # this round learns nothing from echoes; the next one tries again
+            logger.warning("mesh path probe failed: %s", e)
+            return False, {}
+        return True, {key: found[a] * 1000 for key, a in addresses.items() if found.get(a) is not None}
+
+    async def _check_paths(self) -> None:
+        """One round: probe the peers that are due, read the device, step each peer's path, apply new endpoints."""
+        due = {key: state for key, state in self._paths.items()
+               if wants_probe(state, time.time(), self.timings)}
+        probed, rtts = await self._probe(due)
+        async with self._lock:
+            device = {p.public_key: p for p in (await asyncio.to_thread(self._backend.status)).peers}
+            now = time.time()
+            for key, state in list(self._paths.items()):
+                peer, info = device.get(key), self._peers.get(key)
+                if peer is None or info is None:
+                    continue  # not on the device (yet): the next reconcile adds it
+                # An echo counts only if it went out over the endpoint this state has (apply() may have moved it).
+                was_probed = probed and due.get(key) is state
+                facts = PathFacts(now=now, device_endpoint=peer.endpoint, latest_handshake=peer.latest_handshake,
+                                  probed=was_probed, rtt_ms=rtts.get(key) if was_probed else None)
+                new = next_path(state, facts, self.timings)
+                if new.endpoint is not None and new.endpoint != peer.endpoint:
+                    change = PeerChange(ChangeKind.UPDATE, key, self._peer_config(info, new.endpoint),
+                                        frozenset({"endpoint"}))
+                    try:
+                        await asyncio.to_thread(self.agent.apply, change)
+                    except Exception as e:  # keep the old state: the next round decides again
+                        logger.warning("mesh: cannot set %s's endpoint to %s: %s", info.node_id, new.endpoint, e)
+                        continue
+                self._log_path(info, state, new)
+                self._paths[key] = new
+            self._write_status_file()
+
+    @staticmethod
+    def _log_path(peer: MeshPeer, old: PathState, new: PathState) -> None:
+        if (new.phase, new.endpoint) == (old.phase, old.endpoint):
+            return
+        # Trials and settling on a new path are news; the re-check's trips to other candidates are not.
+        important = new.phase is PathPhase.TRYING or (new.phase is PathPhase.SETTLED and new.endpoint != old.chosen)
+        logger.log(logging.INFO if important else logging.DEBUG, "mesh path to %s: %s %s (%s)", peer.node_id,
+                   new.phase.value, new.endpoint, new.reason)
 
     async def follow(self, client, stop: asyncio.Event) -> None:
         """Long-poll the coordinator for peer changes until `stop`; errors back off and never end the loop."""
@@ -110,16 +257,40 @@ class MeshLink:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=2.0)
 
-    def _write_status_file(self) -> None:
+    def _path_status(self, key: str) -> dict | None:
+        state = self._paths.get(key)
+        if state is None:
+            return None
+        return {"state": state.phase.value, "endpoint": state.endpoint, "candidates": list(state.candidates),
+                "candidate": state.candidates.index(state.endpoint) + 1 if state.endpoint in state.candidates
+                else None,
+                "rtt_ms": None if state.rtt_ms is None else round(state.rtt_ms, 3),
+                "rtts_ms": {k: round(v, 3) for k, v in state.rtts.items()}, "since": round(state.since, 3),
+                "reason": state.reason}
+
+    def _write_status_file(self, force: bool = False) -> None:
+        """mesh.json: at once when a peer or a path changed, otherwise every STATUS_EVERY s for fresh RTTs."""
+        signature = tuple((k, s.phase, s.endpoint) for k, s in sorted(self._paths.items()))
+        if not force and signature == self._status_signature and \
+                time.monotonic() - self._status_written < STATUS_EVERY:
+            return
         status = {"interface": self._backend.interface, "backend": self._backend.kind, "address": self.address,
                   "cidr": self.config.cidr, "listen_port": self.listen_port, "version": self.config.version,
-                  "peers": {p.public_key: {"node_id": p.node_id, "address": p.address, "endpoints": p.endpoints}
+                  "updated_at": round(time.time(), 3),
+                  "peers": {p.public_key: {"node_id": p.node_id, "address": p.address, "endpoints": p.endpoints,
+                                           "path": self._path_status(p.public_key)}
                             for p in self.config.peers}}
         tmp = self.state_dir / "mesh.json.tmp"
         tmp.write_text(json.dumps(status, indent=2))
         tmp.replace(self.state_dir / "mesh.json")
+        self._status_signature, self._status_written = signature, time.monotonic()
 
     async def close(self) -> None:
+        if self._paths_task is not None:
+            self._paths_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self._paths_task, timeout=5.0)
+            self._paths_task = None
         if self._backend is not None and self.agent is not None:
             await asyncio.to_thread(self._backend.down)
             logger.info("mesh interface %s down", self._backend.interface)
