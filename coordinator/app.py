@@ -1,8 +1,9 @@
 """Assembly of the coordinator's aiohttp application and its background work.
 
-Owns the configuration, the `cleanup_ctx` steps (database, DHT bootstrap peer, the supervisor loop) and the
-loop itself: marking silent nodes offline, losing their assignments, running the matcher, and forgetting
-expired nonces. Request handling lives in `views`; this module only wires things together.
+Owns the configuration, the `cleanup_ctx` steps (database, heartbeat batcher, DHT bootstrap peer, the supervisor
+loop) and the loop itself: marking silent nodes offline, losing their assignments, running the matcher, settling
+ended jobs, reading progress from the DHT, and forgetting expired nonces. Request handling lives in `views`; this
+module only wires things together.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
-from gpuswarm.coordinator import views
+from gpuswarm.coordinator import challenge, ledger, migrate, reputation, views
 from gpuswarm.coordinator.config import (
     ADMIN_TOKEN,
     ADVERTS,
     CONFIG,
     DHT,
     DHT_PEERS,
+    HEARTBEATS,
     MESH_VERSION,
     SESSIONS,
     WAKE,
@@ -34,12 +36,12 @@ from gpuswarm.coordinator.db import (
     Job,
     JobEvent,
     Node,
-    create_schema,
     forget_expired_nonces,
     make_engine,
     sessionmaker,
 )
 from gpuswarm.coordinator.errors import error_middleware
+from gpuswarm.coordinator.heartbeats import HeartbeatBatcher
 from gpuswarm.coordinator.matcher import JobView, NodeView, match
 from gpuswarm.coordinator.mesh import MeshVersion
 from gpuswarm.mesh import ipam
@@ -48,6 +50,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 logger = logging.getLogger(__name__)
+DHT_TIMEOUT = 5.0
 
 
 def load_or_create_admin_token(path: Path) -> str:
@@ -69,7 +72,8 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
     app[ADMIN_TOKEN] = load_or_create_admin_token(config.admin_token_file)
     engine = make_engine(config.db_url)
     try:
-        await create_schema(engine)
+        # A fresh database and one from an older version both end at the current schema (usually a no-op check).
+        await migrate.upgrade(engine)
         app[SESSIONS] = sessionmaker(engine)
         yield
     finally:
@@ -86,11 +90,13 @@ async def _dht(app: web.Application) -> AsyncIterator[None]:
         return
     import hivemind
     from gpuswarm.proto.dht import NodeAdvertValidator
+    from hivemind.dht.crypto import RSASignatureValidator
 
     loop = asyncio.get_running_loop()
     dht = await loop.run_in_executor(None, lambda: hivemind.DHT(
         host_maddrs=[f"/ip4/{config.dht_host}/tcp/{config.dht_port}"], start=True,
-        record_validators=[NodeAdvertValidator()],
+        # hivemind signs its progress records (RSASignatureValidator): a reader without it cannot decode them.
+        record_validators=[NodeAdvertValidator(), RSASignatureValidator()],
     ))
     app[DHT_PEERS] = [str(m) for m in dht.get_visible_maddrs()]
     app[DHT] = dht
@@ -99,6 +105,14 @@ async def _dht(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await loop.run_in_executor(None, dht.shutdown)
+
+
+async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
+    batcher = HeartbeatBatcher(app[SESSIONS], app[CONFIG])
+    batcher.start()
+    app[HEARTBEATS] = batcher
+    yield
+    await batcher.stop()
 
 
 async def _supervisor(app: web.Application) -> AsyncIterator[None]:
@@ -122,6 +136,7 @@ async def supervise(app: web.Application) -> None:
             if DHT in app and time.monotonic() - last_observe > 5.0:
                 last_observe = time.monotonic()
                 app[ADVERTS] = await observe_adverts(app[DHT])
+                await observe_progress(app[SESSIONS], app[DHT])
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -131,11 +146,21 @@ async def supervise(app: web.Application) -> None:
         app[WAKE].clear()
 
 
+async def dht_get(dht, key: str):
+    """`dht.get(key, latest=True)`, awaited without blocking the loop and given up after DHT_TIMEOUT seconds: a
+    lookup that never answers must not stall the supervisor (matching, settlement) behind it."""
+    try:
+        return await asyncio.wait_for(dht.get(key, latest=True, return_future=True), DHT_TIMEOUT)
+    except TimeoutError:
+        logger.warning("DHT lookup of %s timed out after %.0fs", key, DHT_TIMEOUT)
+        return None
+
+
 async def observe_adverts(dht) -> dict:
     """The node adverts currently live in the DHT, by node id (validated by the DHT's record validator)."""
     from gpuswarm.proto.dht import NODES_KEY, decode_advert
 
-    found = await asyncio.get_running_loop().run_in_executor(None, lambda: dht.get(NODES_KEY, latest=True))
+    found = await dht_get(dht, NODES_KEY)
     adverts = {}
     if found is not None and isinstance(found.value, dict):
         for node_id, item in found.value.items():
@@ -145,11 +170,33 @@ async def observe_adverts(dht) -> dict:
     return adverts
 
 
+async def observe_progress(sessions: async_sessionmaker[AsyncSession], dht) -> None:
+    """Record each running job's epoch as hivemind's own progress records in the DHT show it: the ledger does not
+    credit claims for epochs the swarm never reached."""
+    from gpuswarm.proto.dht import job_run_id
+
+    async with sessions() as session:
+        running = (await session.scalars(select(Job.id).where(Job.state == JobState.RUNNING.value))).all()
+    epochs = {}
+    for job_id in running:
+        found = await dht_get(dht, f"{job_run_id(job_id)}_progress")  # hivemind's ProgressTracker key for a run
+        if found is not None and isinstance(found.value, dict):
+            seen = [item.value.get("epoch") for item in found.value.values() if isinstance(item.value, dict)]
+            seen = [e for e in seen if isinstance(e, int) and e >= 0]
+            if seen:
+                epochs[job_id] = max(seen)
+    if epochs:
+        async with sessions.begin() as session:
+            for job in (await session.scalars(select(Job).where(Job.id.in_(list(epochs))))).all():
+                job.dht_epoch = max(job.dht_epoch or 0, epochs[job.id])
+
+
 async def tick(sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig, now: float) -> list[str]:
     """One pass of the coordinator's bookkeeping. Returns the ids of nodes it found silent and took offline."""
     async with sessions.begin() as session:
         silent = await _lose_silent_nodes(session, config, now)
         await _match(session, config, now)
+        await _settle_ended_jobs(session, config, now)
         await forget_expired_nonces(session, now)
     return silent
 
@@ -178,28 +225,59 @@ async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -
         return []
     active = (await session.scalars(
         select(AssignmentRow).where(AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
-    busy = {a.node_id for a in active}
+    in_use: dict[str, int] = {}
+    members: dict[str, set[str]] = {}
     shards: dict[str, set[int]] = {}
     for a in active:
+        in_use[a.node_id] = in_use.get(a.node_id, 0) + a.gpus
+        members.setdefault(a.job_id, set()).add(a.node_id)
         shards.setdefault(a.job_id, set()).add(a.shard_index)
-    nodes = (await session.scalars(select(Node).where(Node.online.is_(True)))).all()
+    nodes = (await session.scalars(select(Node).where(Node.online.is_(True), Node.revoked.is_(False)))).all()
+    record = await reputation.records(session, list(nodes), now)
     node_views = [NodeView(n.id, Resources.model_validate(n.resources), n.price_per_gpu_hour, n.last_seen,
-                           n.id in busy) for n in nodes]
-    job_views = [JobView(j.id, JobSpec.model_validate(j.spec), JobState(j.state), j.created_at,
-                         frozenset(shards.get(j.id, ()))) for j in jobs]
+                           gpus_in_use=in_use.get(n.id, 0), verified=bool(getattr(n, "verified", False)),
+                           reputation=reputation.score(record[n.id]), throughput=getattr(n, "measured_gflops", None),
+                           rtt_ms=n.peer_rtt_ms or {}) for n in nodes]
+    specs = {j.id: JobSpec.model_validate(j.spec) for j in jobs}
+    balances: dict[str, int] = {}
+    for j in jobs:
+        if j.state == JobState.PENDING.value and j.owner_id not in balances:
+            balances[j.owner_id] = await ledger.balance(session, ledger.owner_account(j.owner_id))
+    job_views = [JobView(j.id, specs[j.id], JobState(j.state), j.created_at, members=frozenset(members.get(j.id, ())),
+                         active_shards=frozenset(shards.get(j.id, ())),
+                         funded=j.state != JobState.PENDING.value
+                         or balances[j.owner_id] >= ledger.micro(specs[j.id].budget))
+                 for j in jobs]
     matches = match(job_views, node_views, now, liveness=config.node_timeout)
     by_id = {j.id: j for j in jobs}
+    taken = []
     for m in matches:
-        session.add(AssignmentRow(job_id=m.job_id, node_id=m.node_id, state=AssignmentState.ACTIVE.value,
-                                  shard_index=m.shard_index, num_shards=m.num_shards, created_at=now))
-        session.add(JobEvent(job_id=m.job_id, at=now, message=f"assigned node {m.node_id} (shard {m.shard_index})"))
         job = by_id[m.job_id]
         if job.state == JobState.PENDING.value:
+            # Several pending jobs of one owner may look funded alone; the reservation is the real check.
+            if not await ledger.reserve_budget(session, job, specs[job.id], now):
+                continue
             job.state, job.started_at = JobState.RUNNING.value, now
-            session.add(JobEvent(job_id=job.id, at=now, message="running"))
-    if matches:
-        logger.info("matched %s", ", ".join(f"{m.node_id}->{m.job_id}" for m in matches))
-    return matches
+            session.add(JobEvent(job_id=job.id, at=now, message=f"running; budget {specs[job.id].budget} reserved"))
+        session.add(AssignmentRow(job_id=m.job_id, node_id=m.node_id, state=AssignmentState.ACTIVE.value,
+                                  shard_index=m.shard_index, num_shards=m.num_shards, created_at=now, gpus=m.gpus,
+                                  price_per_gpu_hour=m.price_per_gpu_hour))
+        session.add(JobEvent(job_id=m.job_id, at=now, message=f"assigned node {m.node_id} (shard {m.shard_index}, "
+                             f"{m.gpus} GPU(s) at {m.price_per_gpu_hour}/GPU-hour)"))
+        taken.append(m)
+    if taken:
+        logger.info("matched %s", ", ".join(f"{m.node_id}->{m.job_id}" for m in taken))
+    return taken
+
+
+async def _settle_ended_jobs(session: AsyncSession, config: CoordinatorConfig, now: float) -> None:
+    """Close the books of jobs that ended at least `settle_grace` seconds ago."""
+    ended = (await session.scalars(select(Job).where(
+        Job.state.in_([s.value for s in JobState if s.is_final]), Job.settled_at.is_(None),
+        Job.finished_at < now - config.settle_grace))).all()
+    for job in ended:
+        await ledger.settle(session, job, now)
+        session.add(JobEvent(job_id=job.id, at=now, message="settled: unspent budget refunded"))
 
 
 def create_app(config: CoordinatorConfig) -> web.Application:
@@ -207,6 +285,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     # The app-wide cap fits the largest artifact; JSON routes enforce their own, much smaller, cap while reading.
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_artifact_bytes)
     app[CONFIG] = config
-    app.cleanup_ctx.extend([_database, _dht, _supervisor])
+    app.cleanup_ctx.extend([_database, _heartbeats, _dht, _supervisor])
     views.setup_routes(app)
+    challenge.setup_routes(app)  # GPU challenge routes and sweep (its cleanup_ctx step follows the database)
     return app

@@ -31,6 +31,11 @@ job_app = typer.Typer(help="Submit, watch, cancel and download training jobs.", 
 CoordinatorURL = Annotated[str, typer.Option("--coordinator", "-c", envvar="GPUSWARM_COORDINATOR",
                                              help="Coordinator base URL.")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+OwnerToken = Annotated[str | None, typer.Option("--token", envvar="GPUSWARM_TOKEN",
+                                                help="Your API token (gso_...), from `coordinator create-owner`.")]
+AdminToken = Annotated[str | None, typer.Option("--admin-token", envvar="GPUSWARM_ADMIN_TOKEN",
+                                                help="Admin token (default: read from --data-dir).")]
+DataDir = Annotated[Path, typer.Option(help="Coordinator data dir (database, admin.token).")]
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -75,6 +80,8 @@ def serve(
     dht_port: Annotated[int, typer.Option(help="DHT bootstrap peer TCP port (0: any free port).")] = 0,
     node_timeout: Annotated[float, typer.Option(help="Seconds without heartbeat before a node is lost.")] = 10.0,
     mesh_cidr: Annotated[str, typer.Option(help="Network the nodes' mesh addresses come from.")] = "10.77.0.0/16",
+    settle_grace: Annotated[float, typer.Option(help="Seconds after a job ends before its books close: "
+                                                     "unattested claims rejected, unspent budget refunded.")] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve the /v1 API, bootstrap the DHT, and match jobs to nodes until SIGTERM or Ctrl-C."""
@@ -84,7 +91,7 @@ def serve(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = CoordinatorConfig(data_dir=data_dir, database_url=database_url, dht_host=dht_host, dht_port=dht_port,
-                               node_timeout=node_timeout, mesh_cidr=mesh_cidr)
+                               node_timeout=node_timeout, mesh_cidr=mesh_cidr, settle_grace=settle_grace)
     try:
         app = create_app(config)
     except ValueError as e:  # IPAMError for a bad --mesh-cidr
@@ -93,6 +100,37 @@ def serve(
     web.run_app(app, host=host, port=port, print=lambda _: logging.getLogger(__name__).info(
         "coordinator serving on http://%s:%d (data in %s)", host, port, data_dir), shutdown_timeout=5,
         access_log=logging.getLogger("aiohttp.access") if log_level.lower() == "debug" else None)
+
+
+@coordinator_app.command("migrate")
+def migrate(
+    data_dir: Annotated[Path, typer.Option(help="Data dir holding the SQLite database.")] = Path("var/coordinator"),
+    database_url: Annotated[str | None, typer.Option(envvar="DATABASE_URL",
+                                                     help="SQLAlchemy async URL (default: SQLite).")] = None,
+) -> None:
+    """Upgrade the database to the current schema (`serve` does this too at start) and print its revision."""
+    import asyncio
+
+    from alembic.util import CommandError
+    from gpuswarm.coordinator import migrate as migrations
+    from gpuswarm.coordinator.config import CoordinatorConfig
+    from sqlalchemy import make_url
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+    config = CoordinatorConfig(data_dir=data_dir, database_url=database_url)
+    try:
+        shown = make_url(config.db_url).render_as_string(hide_password=True)
+    except ArgumentError as e:
+        raise fail(f"invalid database URL: {e}") from None
+    if database_url is None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        before, after = asyncio.run(migrations.upgrade(config.db_url))
+    except (SQLAlchemyError, CommandError, OSError, ImportError) as e:  # CommandError: a revision we don't know
+        raise fail(f"cannot migrate {shown}: {e}") from None
+    console.print(f"database: {shown}")
+    console.print(f"revision before: {before or 'none (empty database)'}")
+    console.print(f"revision after:  {after}{' (unchanged)' if before == after else ''}")
 
 
 # ---------------------------------------------------------------------------------------------------- jobs
@@ -138,16 +176,22 @@ def job_submit(
     max_epochs: Annotated[int | None, typer.Option(help="Stop after this many passes over the data.")] = None,
     min_nodes: Annotated[int | None, typer.Option(help="Nodes needed to start.")] = None,
     max_nodes: Annotated[int | None, typer.Option(help="Most nodes the job may use.")] = None,
-    max_price: Annotated[float | None, typer.Option(help="Highest price per GPU-hour.")] = None,
+    max_price: Annotated[float | None, typer.Option(help="Highest price per GPU-hour (your bid).")] = None,
+    budget: Annotated[float | None, typer.Option(help="Credits reserved for the job when it starts.")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs the job takes on each node.")] = None,
+    verified_only: Annotated[bool | None, typer.Option("--verified-only/--any-node",
+                                                       help="Only nodes that passed the GPU challenge.")] = None,
     param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Hyper-parameter NAME=VALUE.")] = None,
     coordinator: CoordinatorURL = DEFAULT_URL,
+    token: OwnerToken = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Submit a training job."""
     spec = build_spec(file, {"workload": workload, "name": name, "stop.target_accuracy": target_accuracy,
                              "stop.max_epochs": max_epochs, "min_nodes": min_nodes, "max_nodes": max_nodes,
-                             "max_price_per_gpu_hour": max_price}, param or [])
-    job = call(CoordinatorClient(coordinator).submit_job, spec.model_dump(mode="json"))
+                             "max_price_per_gpu_hour": max_price, "budget": budget, "gpus_per_node": gpus_per_node,
+                             "requirements.verified_only": verified_only}, param or [])
+    job = call(CoordinatorClient(coordinator, token=token).submit_job, spec.model_dump(mode="json"))
     if as_json:
         print_json(job)
     else:
@@ -159,10 +203,11 @@ def job_submit(
 def job_list(
     state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
     coordinator: CoordinatorURL = DEFAULT_URL,
+    token: OwnerToken = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """List jobs, newest first."""
-    jobs = call(CoordinatorClient(coordinator).jobs, state)
+    """List your jobs, newest first."""
+    jobs = call(CoordinatorClient(coordinator, token=token).jobs, state)
     if as_json:
         return print_json(jobs)
     table = Table("ID", "NAME", "WORKLOAD", "STATE", "NODES", "EPOCH", "ACCURACY", "SUBMITTED")
@@ -177,10 +222,11 @@ def job_list(
 def job_status(
     job_id: Annotated[str, typer.Argument(help="Job ID.")],
     coordinator: CoordinatorURL = DEFAULT_URL,
+    token: OwnerToken = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Show a job's state, progress, members, contributions, artifacts and recent events."""
-    job = call(CoordinatorClient(coordinator).job, job_id)
+    job = call(CoordinatorClient(coordinator, token=token).job, job_id)
     if as_json:
         return print_json(job)
     p = job["progress"]
@@ -205,17 +251,20 @@ def job_status(
 
 
 def print_contributions(rows: list[dict]) -> None:
-    table = Table("NODE", "SAMPLES", "STEPS", "COMPUTE S", "ROUNDS", "CLAIMS", title="Contributions")
+    table = Table("NODE", "CLAIMS", "SAMPLES CLAIMED", "SAMPLES CREDITED", "COMPUTE S", "PAID", "PENDING", "FLAGGED",
+                  title="Contributions (peer-attested)")
     for c in rows:
-        table.add_row(c["node_id"], str(c["samples"]), str(c["steps"]), f"{c['compute_seconds']:.1f}",
-                      str(c["rounds_joined"]), str(c["claims"]))
+        table.add_row(c["node_id"], str(c["claims"]), str(c["claimed_samples"]), str(c["samples"]),
+                      f"{c['compute_seconds']:.1f}", f"{c['paid']:.4f}", str(c["pending"]),
+                      f"[red]{c['flagged']}[/red]" if c["flagged"] else "0")
     console.print(table if rows else "no contributions recorded yet")
 
 
 @job_app.command("cancel")
-def job_cancel(job_id: str, coordinator: CoordinatorURL = DEFAULT_URL, as_json: JsonFlag = False) -> None:
+def job_cancel(job_id: str, coordinator: CoordinatorURL = DEFAULT_URL, token: OwnerToken = None,
+               as_json: JsonFlag = False) -> None:
     """Cancel a pending or running job; its nodes stop training within a heartbeat."""
-    job = call(CoordinatorClient(coordinator).cancel_job, job_id)
+    job = call(CoordinatorClient(coordinator, token=token).cancel_job, job_id)
     print_json(job) if as_json else console.print(f"{job['id']} cancelled")
 
 
@@ -224,10 +273,11 @@ def job_download(
     job_id: str,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to save the model.")] = None,
     coordinator: CoordinatorURL = DEFAULT_URL,
+    token: OwnerToken = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Download a completed job's final model (checked against its SHA-256)."""
-    client = CoordinatorClient(coordinator)
+    client = CoordinatorClient(coordinator, token=token)
     job = call(client.job, job_id)
     final = [a for a in job["artifacts"] if a["final"]]
     if not final:
@@ -258,14 +308,16 @@ def nodes(ctx: typer.Context, coordinator: CoordinatorURL = DEFAULT_URL, as_json
     rows = call(CoordinatorClient(coordinator).nodes)
     if as_json:
         return print_json(rows)
-    table = Table("NODE", "STATE", "ONLINE", "GPUS", "CPU/RAM", "PRICE", "MESH", "JOB", "LAST SEEN", "ADVERT")
+    table = Table("NODE", "STATE", "ONLINE", "GPUS", "CPU/RAM", "PRICE", "REP", "VERIFIED", "MESH", "JOB",
+                  "LAST SEEN", "ADVERT")
     for n in rows:
         gpus = ", ".join(f"{g['count']}x {g['model']} {g['memory_gb']:.0f}G" for g in n["resources"]["gpus"]) or "cpu"
         advert = n["advert"]
         advert_text = "-" if advert is None else f"{advert['state']}, {advert['expires_at'] - time.time():.0f}s left"
         table.add_row(n["id"], "revoked" if n["revoked"] else n["state"], "yes" if n["online"] else "no", gpus,
                       f"{n['resources']['cpu_cores']}c/{n['resources']['ram_gb']:.0f}G",
-                      f"{n['price_per_gpu_hour']:.2f}", n["mesh_address"] or "-", n["job_id"] or "-",
+                      f"{n['price_per_gpu_hour']:.2f}", f"{n['reputation']:.2f}", "yes" if n["verified"] else "no",
+                      n["mesh_address"] or "-", ",".join(n["job_ids"]) or "-",
                       ago(n["last_seen"]), advert_text)
     console.print(table if rows else "no nodes registered")
 
@@ -273,17 +325,112 @@ def nodes(ctx: typer.Context, coordinator: CoordinatorURL = DEFAULT_URL, as_json
 @nodes_app.command("revoke")
 def nodes_revoke(
     node_id: str,
-    admin_token: Annotated[str | None, typer.Option(envvar="GPUSWARM_ADMIN_TOKEN",
-                                                    help="Admin token (default: read from --data-dir).")] = None,
-    data_dir: Annotated[Path, typer.Option(help="Coordinator data dir holding admin.token.")] = Path("var/coordinator"),
+    admin_token: AdminToken = None,
+    data_dir: DataDir = Path("var/coordinator"),
     coordinator: CoordinatorURL = DEFAULT_URL,
     as_json: JsonFlag = False,
 ) -> None:
     """Revoke a node: every peer drops it from the mesh within seconds, and its later requests are refused."""
-    if admin_token is None:
-        try:
-            admin_token = (data_dir / "admin.token").read_text().strip()
-        except OSError as e:
-            raise fail(f"no --admin-token given and cannot read {data_dir / 'admin.token'}: {e.strerror}") from None
-    result = call(CoordinatorClient(coordinator, admin_token=admin_token).revoke_node, node_id)
+    result = call(CoordinatorClient(coordinator, token=admin(admin_token, data_dir)).revoke_node, node_id)
     print_json(result) if as_json else console.print(f"node {node_id} revoked")
+
+
+@nodes_app.command("statement")
+def nodes_statement(node_id: str, coordinator: CoordinatorURL = DEFAULT_URL, as_json: JsonFlag = False) -> None:
+    """What a node was credited and paid, job by job (public, like a work log)."""
+    statement = call(CoordinatorClient(coordinator).node_statement, node_id)
+    if as_json:
+        return print_json(statement)
+    console.print(f"[bold]node {node_id}[/bold]  balance: [bold]{statement['balance']:.6f}[/bold] credits")
+    table = Table("JOB", "CLAIMS", "SAMPLES CREDITED", "COMPUTE S", "FLAGGED", "EARNED")
+    for j in statement["jobs"]:
+        table.add_row(j["job_id"], str(j["claims"]), str(j["samples"]), f"{j['compute_seconds']:.1f}",
+                      str(j["flagged"]), f"{j['earned']:.6f}")
+    console.print(table if statement["jobs"] else "no claims recorded")
+
+
+@job_app.command("statement")
+def job_statement(job_id: str, coordinator: CoordinatorURL = DEFAULT_URL, token: OwnerToken = None,
+                  as_json: JsonFlag = False) -> None:
+    """The money side of a job: budget, escrow, what each node was credited and paid, and the refund."""
+    s = call(CoordinatorClient(coordinator, token=token).job_statement, job_id)
+    if as_json:
+        return print_json(s)
+    console.print(f"[bold]{s['job_id']}[/bold]  state: {s['state']}  budget {s['budget']:.6f}  reserved "
+                  f"{s['reserved']:.6f}  paid {s['paid']:.6f}  refunded {s['refunded']:.6f}  in escrow "
+                  f"{s['escrow']:.6f}  {'settled' if s['settled'] else 'not settled yet'}")
+    print_contributions(s["nodes"])
+
+
+# ---------------------------------------------------------------------------------------------------- accounts
+
+
+def admin(token: str | None, data_dir: Path) -> str:
+    """The admin token: given, or read from the coordinator's data dir."""
+    if token:
+        return token
+    try:
+        return (data_dir / "admin.token").read_text().strip()
+    except OSError as e:
+        raise fail(f"no --admin-token given and cannot read {data_dir / 'admin.token'}: {e.strerror}") from None
+
+
+@coordinator_app.command("create-owner")
+def create_owner_command(
+    name: Annotated[str, typer.Argument(help="Account name (letters, digits, _ . @ -).")],
+    credits: Annotated[float, typer.Option(help="Initial credits.")] = 0.0,
+    data_dir: DataDir = Path("var/coordinator"),
+    database_url: Annotated[str | None, typer.Option(envvar="DATABASE_URL",
+                                                     help="SQLAlchemy async URL (default: SQLite).")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Create a job owner's account in the coordinator's database and print its API token (shown only once)."""
+    import asyncio
+
+    from gpuswarm.coordinator import migrate
+    from gpuswarm.coordinator.auth import create_owner
+    from gpuswarm.coordinator.config import CoordinatorConfig
+    from gpuswarm.coordinator.db import make_engine, sessionmaker
+    from gpuswarm.coordinator.errors import ApiError
+    from gpuswarm.proto.models import NewOwner
+
+    try:
+        NewOwner(name=name, credits=credits)
+    except ValidationError as e:
+        raise fail(f"invalid owner: {e.errors()[0]['msg']}") from None
+    config = CoordinatorConfig(data_dir=data_dir, database_url=database_url)
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+
+    async def run() -> tuple:
+        engine = make_engine(config.db_url)
+        try:
+            await migrate.upgrade(engine)
+            async with sessionmaker(engine).begin() as session:
+                return await create_owner(session, name, credits, time.time())
+        finally:
+            await engine.dispose()
+
+    try:
+        owner, token = asyncio.run(run())
+    except ApiError as e:
+        raise fail(e.message) from None
+    if as_json:
+        return print_json({"id": owner.id, "name": owner.name, "token": token, "balance": credits})
+    console.print(f"owner [bold]{owner.name}[/bold] ({owner.id}) with {credits} credits. API token (shown once; "
+                  f"use --token or GPUSWARM_TOKEN):\n{token}")
+
+
+@coordinator_app.command("credit")
+def credit_command(
+    owner_id: Annotated[str, typer.Argument(help="Owner ID (o-...).")],
+    amount: Annotated[float, typer.Argument(help="Credits to grant; negative withdraws.")],
+    memo: Annotated[str, typer.Option(help="Why, for the ledger.")] = "",
+    admin_token: AdminToken = None,
+    data_dir: DataDir = Path("var/coordinator"),
+    coordinator: CoordinatorURL = DEFAULT_URL,
+    as_json: JsonFlag = False,
+) -> None:
+    """Admin: adjust an owner's credits (recorded in the ledger)."""
+    owner = call(CoordinatorClient(coordinator, token=admin(admin_token, data_dir)).adjust_credits, owner_id,
+                 amount, memo)
+    print_json(owner) if as_json else console.print(f"{owner['id']} balance: {owner['balance']:.6f}")

@@ -23,16 +23,17 @@ class ApiClientError(Exception):
 
 
 class CoordinatorClient:
-    def __init__(self, base_url: str = DEFAULT_URL, timeout: float = 10.0, admin_token: str | None = None):
+    def __init__(self, base_url: str = DEFAULT_URL, timeout: float = 10.0, token: str | None = None):
+        """`token`: a job owner's API token, or the admin token for admin calls (sent as a bearer token)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self.admin_token = admin_token
+        self.token = token
 
     def _open(self, method: str, path: str, body: Any = None):
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if data else {}
-        if self.admin_token:
-            headers["Authorization"] = f"Bearer {self.admin_token}"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         request = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
@@ -70,6 +71,21 @@ class CoordinatorClient:
 
     def revoke_node(self, node_id: str) -> dict:
         return self.request("POST", f"/v1/nodes/{node_id}/revoke", {})
+
+    def job_statement(self, job_id: str) -> dict:
+        return self.request("GET", f"/v1/jobs/{job_id}/statement")
+
+    def node_statement(self, node_id: str) -> dict:
+        return self.request("GET", f"/v1/nodes/{node_id}/statement")
+
+    def create_owner(self, name: str, credits: float) -> dict:
+        return self.request("POST", "/v1/owners", {"name": name, "credits": credits})
+
+    def whoami(self) -> dict:
+        return self.request("GET", "/v1/owners/me")
+
+    def adjust_credits(self, owner_id: str, amount: float, memo: str = "") -> dict:
+        return self.request("POST", f"/v1/owners/{owner_id}/credits", {"amount": amount, "memo": memo})
 
     def download_artifact(self, job_id: str, name: str, dest: Path) -> str:
         """Stream an artifact to `dest`, check it against the SHA-256 the coordinator recorded, return the digest."""

@@ -26,6 +26,11 @@ class CoordinatorConfig:
     start_dht: bool = True
     mesh_cidr: str = "10.77.0.0/16"  # gpuswarm.mesh.ipam.DEFAULT_CIDR; nodes' mesh addresses come from here
     mesh_poll_timeout: float = 20.0  # longest a peer-list long-poll is held open
+    # GPU challenge (coordinator/challenge.py): at registration, then after exponential gaps with this mean.
+    challenge_mean_interval: float = 1800.0
+    challenge_min_interval: float = 60.0  # never sooner than this after the previous one ended
+    challenge_proof_timeout: float = 120.0  # seconds from the reveal to the proof
+    settle_grace: float = 30.0  # seconds after a job ends before its books close (late reports still count)
 
     @property
     def db_url(self) -> str:
@@ -50,3 +55,4 @@ ADVERTS = web.AppKey("adverts", dict)
 DHT = web.AppKey("dht", object)  # the hivemind.DHT bootstrap peer, when started
 MESH_VERSION = web.AppKey("mesh_version", object)  # coordinator.mesh.MeshVersion
 ADMIN_TOKEN = web.AppKey("admin_token", str)
+HEARTBEATS = web.AppKey("heartbeats", object)  # coordinator.heartbeats.HeartbeatBatcher

@@ -1,6 +1,8 @@
 """The coordinator's database: SQLAlchemy 2.0 models, engine set-up, and the nonce store against replays.
 
-SQLite (a file under the data directory) is the default; any SQLAlchemy async URL works through DATABASE_URL.
+SQLite (a file under the data directory) is the default; PostgreSQL (asyncpg) works through DATABASE_URL. The
+schema belongs to the migrations (`gpuswarm.coordinator.migrate`): after changing a model here, run
+scripts/new-migration "what changed" and commit the revision it writes.
 Times are stored as UNIX seconds (floats), which keeps them comparable with the nodes' signed timestamps.
 """
 
@@ -10,13 +12,38 @@ import time
 from typing import Any
 
 from gpuswarm.coordinator.errors import Conflict
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, delete, event
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    delete,
+    event,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+# Every constraint gets a predictable name, so a migration can drop or change it on any database (SQLite reports
+# none of its own, and PostgreSQL invents others). Changing this renames constraints: it needs a migration too.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
 
 class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
 
 
@@ -38,6 +65,16 @@ class Node(Base):
     wg_public_key: Mapped[str | None] = mapped_column(String(44), nullable=True)
     mesh_address: Mapped[str | None] = mapped_column(String(64), nullable=True)
     mesh_endpoints: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    # Reputation inputs kept on the node (the rest are counted from assignments and claims).
+    online_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    peer_rtt_ms: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # The GPU challenge (coordinator/challenge.py): verified = passed the latest one for the device it claims now.
+    verified: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    challenges_passed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    challenges_failed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    measured_gflops: Mapped[float | None] = mapped_column(Float, nullable=True)  # 2n^3 / seconds to commit
+    last_challenge_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    next_challenge_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # None: one is open
 
 
 class MeshIPAM(Base):
@@ -61,7 +98,8 @@ class Job(Base):
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     # The latest progress any member reported: what `job status` shows.
     epoch: Mapped[float] = mapped_column(Float, default=0.0)
-    global_step: Mapped[int] = mapped_column(Integer, default=0)
+    # BigInteger: proto's counts go up to 2**53; PostgreSQL's INTEGER stops at 2**31 - 1 (SQLite's has no limit).
+    global_step: Mapped[int] = mapped_column(BigInteger, default=0)
     accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     samples_per_second: Mapped[float] = mapped_column(Float, default=0.0)
@@ -69,6 +107,9 @@ class Job(Base):
     final_accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
     failures: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("owners.id"), index=True)
+    dht_epoch: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # hivemind's epoch, read from the DHT
+    settled_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # escrow refunded, ledger closed
 
 
 class AssignmentRow(Base):
@@ -84,26 +125,82 @@ class AssignmentRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    gpus: Mapped[int] = mapped_column(Integer, default=1)  # GPUs (a CPU node: one slot) this assignment holds
+    price_per_gpu_hour: Mapped[float] = mapped_column(Float, default=0.0)  # the clearing price (the node's ask)
 
 
 class Contribution(Base):
-    """One signed claim, as received. The ledger is the sum of these per (job, node)."""
+    """One signed claim (`proto.models.ContributionClaim`), as received, and what the ledger made of it.
+
+    A node signs one claim per round; (job, node, epoch) names it. A second, different claim under the same name
+    is an equivocation: both versions are kept (the unique key includes the signature) and flagged, and at most
+    one is credited. `status`: pending (waiting for a peer's attestation), credited, rejected."""
 
     __tablename__ = "contributions"
-    __table_args__ = (UniqueConstraint("job_id", "node_id", "seq"),)
+    __table_args__ = (UniqueConstraint("job_id", "node_id", "epoch", "signature"),
+                      Index("ix_contributions_job_status", "job_id", "status"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
-    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
-    seq: Mapped[int] = mapped_column(Integer)
-    samples: Mapped[int] = mapped_column(Integer)
-    steps: Mapped[int] = mapped_column(Integer)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), index=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    steps: Mapped[int] = mapped_column(BigInteger)
     compute_seconds: Mapped[float] = mapped_column(Float)
-    rounds_joined: Mapped[int] = mapped_column(Integer)
     window_start: Mapped[float] = mapped_column(Float)
     window_end: Mapped[float] = mapped_column(Float)
-    received_at: Mapped[float] = mapped_column(Float)
+    solo: Mapped[bool] = mapped_column(Boolean, default=False)
+    signature: Mapped[str] = mapped_column(String(100))
     envelope: Mapped[dict[str, Any]]
+    received_at: Mapped[float] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    credited_samples: Mapped[int] = mapped_column(BigInteger, default=0)
+    credited_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    paid: Mapped[int] = mapped_column(BigInteger, default=0)  # micro-credits
+    flag: Mapped[str | None] = mapped_column(Text, nullable=True)  # why the ledger distrusts this claim
+
+
+class Attestation(Base):
+    """Node `attester` reported claim `claim_id` as received from a member of its round's group."""
+
+    __tablename__ = "attestations"
+    __table_args__ = (UniqueConstraint("claim_id", "attester"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    claim_id: Mapped[int] = mapped_column(ForeignKey("contributions.id"), index=True)
+    attester: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
+    at: Mapped[float] = mapped_column(Float)
+
+
+class Owner(Base):
+    """A job owner's account. The API token is stored only as its SHA-256 (tokens are 256-bit random strings,
+    so a fast hash is enough; see docs/decisions)."""
+
+    __tablename__ = "owners"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class LedgerEntry(Base):
+    """One leg of a transfer, in integer micro-credits (exact sums). Every transfer writes two legs with the same
+    `transfer`, one negative and one positive, so the sum over all entries is always zero (grants come from the
+    `mint` account). An account's balance is the sum of its entries. Accounts: `owner:ID`, `escrow:JOB`,
+    `node:ID`, `mint`."""
+
+    __tablename__ = "ledger"
+    __table_args__ = (Index("ix_ledger_account", "account"), Index("ix_ledger_job", "job_id"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    transfer: Mapped[str] = mapped_column(String(32), index=True)
+    at: Mapped[float] = mapped_column(Float)
+    account: Mapped[str] = mapped_column(String(48))
+    amount: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(16))  # grant, adjust, reserve, pay, refund
+    job_id: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    memo: Mapped[str] = mapped_column(Text, default="")
 
 
 class Artifact(Base):
@@ -115,7 +212,7 @@ class Artifact(Base):
     name: Mapped[str] = mapped_column(String(64))
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
     sha256: Mapped[str] = mapped_column(String(64))
-    size: Mapped[int] = mapped_column(Integer)
+    size: Mapped[int] = mapped_column(BigInteger)  # bytes; max_artifact_bytes may be set above 2 GiB
     final: Mapped[bool] = mapped_column(Boolean, default=False)
     accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
@@ -130,6 +227,31 @@ class JobEvent(Base):
     message: Mapped[str] = mapped_column(Text)
 
 
+class Challenge(Base):
+    """One GPU challenge (`proto.challenge`): issued -> revealed -> passed | failed, or issued -> failed (late, no
+    answer, abandoned). Times are the coordinator's clock; the time bound runs from issued_at to committed_at."""
+
+    __tablename__ = "challenges"
+    __table_args__ = (Index("ix_challenges_state", "state"),)
+
+    id: Mapped[str] = mapped_column(String(18), primary_key=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), index=True)
+    state: Mapped[str] = mapped_column(String(16))
+    device_class: Mapped[str] = mapped_column(String(128))
+    n: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[str] = mapped_column(String(32))
+    time_limit: Mapped[float] = mapped_column(Float)
+    issued_at: Mapped[float] = mapped_column(Float)
+    committed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    root: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    r_seed: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    rows: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    revealed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    measured_gflops: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
 class SeenNonce(Base):
     __tablename__ = "seen_nonces"
 
@@ -138,7 +260,12 @@ class SeenNonce(Base):
 
 
 def make_engine(url: str) -> AsyncEngine:
-    engine = create_async_engine(url)
+    # SQLite has one writer at a time. Several pooled connections would contend for its lock inside the database
+    # (a deferred transaction that reads and then writes fails at once with "database is locked", and the busy
+    # handler sleeps in coarse steps); one connection makes requests queue in the event loop instead, which is
+    # fast and fair. Other processes (the CLI) still read through WAL and ride out writes with busy_timeout.
+    single = {"pool_size": 1, "max_overflow": 0} if url.startswith("sqlite") and ":memory:" not in url else {}
+    engine = create_async_engine(url, **single)
     if engine.dialect.name == "sqlite":
 
         @event.listens_for(engine.sync_engine, "connect")
@@ -147,15 +274,11 @@ def make_engine(url: str) -> AsyncEngine:
             # WAL lets the CLI read while the service writes; busy_timeout rides out short write locks.
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA busy_timeout=5000")
+            cursor.execute("PRAGMA synchronous=NORMAL")  # with WAL: durable at checkpoints, safe against corruption
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
 
     return engine
-
-
-async def create_schema(engine: AsyncEngine) -> None:
-    async with engine.begin() as conn:
-        await conn.run_sync(Base.metadata.create_all)
 
 
 def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
@@ -163,7 +286,13 @@ def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
 
 
 async def remember_nonce(session: AsyncSession, nonce: str, expires_at: float) -> None:
-    """Record a nonce inside the caller's transaction; a nonce seen before is a replay (409)."""
+    """Record a nonce inside the caller's transaction; a nonce seen before is a replay (409).
+
+    Looks first, so that an ordinary replay never sends a failing INSERT: on PostgreSQL that aborts the whole
+    transaction. Two copies racing each other still meet the primary key; the Conflict then ends the caller's
+    transaction, which must not go on after it (on any database)."""
+    if await session.get(SeenNonce, nonce) is not None:
+        raise Conflict("replayed message: this nonce was already used", code="replay")
     session.add(SeenNonce(nonce=nonce, expires_at=expires_at))
     try:
         await session.flush()

@@ -46,6 +46,10 @@ class Conflict(ApiError):
     status, code = 409, "conflict"
 
 
+class PaymentRequired(ApiError):
+    status, code = 402, "insufficient_funds"
+
+
 class PayloadTooLarge(ApiError):
     status, code = 413, "payload_too_large"
 

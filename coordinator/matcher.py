@@ -1,29 +1,101 @@
 """The matcher: a pure function from (jobs, nodes, now) to new assignments.
 
-No I/O and no clock of its own, so it is unit-tested exhaustively and benchmarked alone. The rules:
-- a node is a candidate when it heart-beat within `liveness` seconds, has no active assignment, meets the job's
-  requirements and asks no more than the job's max price;
-- jobs are served first come, first served; a job grows up to max_nodes, cheapest candidates first;
-- a pending job starts only when at least min_nodes candidates are free at once; until then it holds no node, so
-  a later, smaller job may use the free nodes (backfill);
-- a running job that lost nodes takes replacements the same way, keeping shard indexes unique within the job.
+It owns the marketplace rules and nothing else: no I/O, no clock of its own (the caller passes `now`), no database
+types. The coordinator builds the views from its tables, calls `match` and records what it returns.
+
+Rules
+- Liveness: a node is a candidate only while `now - last_seen <= liveness`.
+- Capacity: a GPU node offers `resources.gpu_count` GPUs, a CPU-only node one slot. A node may host several jobs at
+  once, but the GPUs (slots) held by its active assignments (`gpus_in_use`) plus those handed out in this pass
+  never exceed its capacity. A job takes `spec.gpus_per_node` GPUs on each node it gets, and a node at most once.
+- Requirements: every GPU of the node has at least `min_gpu_memory_gb` and, when `gpu_models` is set, is one of
+  those models (case-insensitive). "Every", not "any": GPUs in use are counted per node, not per GPU, so a node's
+  GPUs must be interchangeable for the job. A CPU-only node takes only jobs that allow CPU, need no GPU memory or
+  model, and take one slot per node (`gpus_per_node == 1`). A `verified_only` job gets only nodes that passed the
+  GPU challenge (`verified`), CPU nodes included.
+- Price: the node's ask (`price_per_gpu_hour`; per slot-hour for a CPU node) is at most the job's bid
+  (`max_price_per_gpu_hour`; None takes any ask). A match clears at the node's ask: a pay-as-bid reverse auction,
+  where each node is paid what it asked and the job never pays more than its bid.
+- Budget: an unfunded job (`funded=False`, the owner cannot cover its budget) takes no node: a pending one does not
+  start, and a running one neither grows nor replaces lost members until it is funded again.
+- Fairness: open jobs (pending or running) are served one at a time, priced bids first, the highest bid first, then
+  jobs without a bid (None ranks below every priced bid, as proto.models.JobSpec documents); within one bid, first
+  come first served (`created_at`, then job id). A job takes all it wants (up to max_nodes) before the next job
+  sees what is left, so a lower bid only gets a node that every higher bid eligible for it passed over: that job
+  was full, or was pending and could not reach min_nodes even with that node.
+- Elasticity and backfill: a pending job starts only when at least min_nodes candidates are free at once, and then
+  takes up to max_nodes of them; otherwise it holds nothing, and later jobs may use the free nodes. A running job
+  grows towards max_nodes and replaces lost members, whatever its count, with the lowest unused shard indexes.
+  `num_shards` is always max_nodes.
+- Ranking: a job takes its best candidates by the score below; equal scores go to the smaller node id.
+
+Score (higher is better; natural-log scale, so +0.69 weighs as much as halving the ask):
+
+    score = ln((bid + c) / (ask + c))                             c = PRICE_FLOOR = 0.1
+          + W_REPUTATION * (reputation - 0.5)                     W_REPUTATION = 1.0
+          + W_THROUGHPUT * clip(ln(throughput / median), ±ln 4)   W_THROUGHPUT = 0.5; unknown: 0
+          + W_RTT * clip(ln(RTT_REF_MS / mean RTT), ±ln 4)        W_RTT = 0.5, RTT_REF_MS = 50; unknown: 0
+
+- Price: how far the ask is below the job's bid, on a log scale; c keeps a free node from scoring infinitely. On a
+  log scale the bid (for a job without one, any constant) shifts every candidate of a job by the same amount, so
+  it never changes their order: that is what lets the matcher sort the nodes once per pass instead of once per
+  job. `node_score` leaves the bid out for that reason.
+- Reputation (0..1): reputation 1 beats reputation 0 unless the latter asks e (2.7) times less.
+- Throughput (GFLOP/s from the challenge) is taken relative to the median of the live nodes' measurements; an
+  unknown one counts as the median. It counts half: twice the median is worth an ask 1.41 times lower, because
+  the challenge measures matrix products while training over the mesh is bound by bandwidth as much as compute.
+- RTT: the mean of the known round-trip times between the candidate and the job's current members (either side's
+  measurement). A job without members, or a candidate with no known RTT to them, gets 0. Nodes picked in the same
+  pass do not count as members yet. The term is bounded by ±0.69 (MAX_RTT_BONUS): a close node beats one of
+  unknown RTT at up to twice the ask (plus c), and a far one at up to four times, no more.
+
+Cost: nodes with spare capacity are grouped by capability (CPU, or GPU models, smallest GPU memory and verified)
+and each group is sorted once by `node_score`. A job looks only at the groups that meet its requirements and walks
+each from its best node, skipping nodes without room for its GPUs per node (a union-find "next node with room"
+pointer per group and GPU count), until it has what it wants. When the bid rules out most of a group, the walk
+falls back to the group's nodes sorted by ask, scanning only those within the bid. For a job with members, the few
+candidates with a known RTT to them are found through an index of who measured whom and scored apart; every other
+candidate's RTT term is 0, so the walks stay exact. A pass costs about O(N log N) plus, per job, the groups and the
+nodes it looks at, instead of O(jobs x nodes). scripts/bench/market.py measures it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import heapq
+import math
+import statistics
+from bisect import bisect_right
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuswarm.proto.models import JobSpec, JobState, Requirements, Resources
+
+PRICE_FLOOR = 0.1
+W_REPUTATION = 1.0
+W_THROUGHPUT = 0.5
+W_RTT = 0.5
+RTT_REF_MS = 50.0
+_CLIP = math.log(4)
+MAX_RTT_BONUS = W_RTT * _CLIP
+
+OPEN_STATES = frozenset({JobState.PENDING, JobState.RUNNING})
 
 
 @dataclass(frozen=True)
 class NodeView:
     id: str
     resources: Resources
-    price_per_gpu_hour: float
+    price_per_gpu_hour: float  # the node's ask
     last_seen: float
-    busy: bool
+    gpus_in_use: int = 0  # GPUs (for a CPU node, slots) already held by active assignments
+    verified: bool = False  # passed the GPU challenge
+    reputation: float = 0.5  # 0..1
+    throughput: float | None = None  # GFLOP/s measured by the challenge; None: unknown
+    rtt_ms: Mapping[str, float] = field(default_factory=dict)  # measured RTT to other node ids
+
+    @property
+    def capacity(self) -> int:
+        return capacity(self.resources)
 
 
 @dataclass(frozen=True)
@@ -32,7 +104,9 @@ class JobView:
     spec: JobSpec
     state: JobState
     created_at: float
-    active_shards: frozenset[int] = field(default_factory=frozenset)
+    members: frozenset[str] = frozenset()  # node ids with an active assignment in this job
+    active_shards: frozenset[int] = frozenset()
+    funded: bool = True  # False: the owner cannot cover the budget, so the job takes no node
 
 
 @dataclass(frozen=True)
@@ -41,42 +115,282 @@ class Match:
     node_id: str
     shard_index: int
     num_shards: int
+    gpus: int = 1  # GPUs (slots) this assignment takes on the node
+    price_per_gpu_hour: float = 0.0  # the clearing price: the node's ask (pay-as-bid reverse auction)
 
 
-def meets_requirements(resources: Resources, req: Requirements) -> bool:
+def capacity(resources: Resources) -> int:
+    """GPUs a node offers; a CPU-only node offers one slot."""
+    return resources.gpu_count or 1
+
+
+def meets_requirements(resources: Resources, req: Requirements, gpus_per_node: int = 1) -> bool:
     if not resources.gpus:
-        return req.allow_cpu and req.min_gpu_memory_gb == 0 and not req.gpu_models
-    if resources.max_gpu_memory_gb < req.min_gpu_memory_gb:
+        return req.allow_cpu and gpus_per_node == 1 and req.min_gpu_memory_gb == 0 and not req.gpu_models
+    if resources.gpu_count < gpus_per_node:
+        return False
+    if min(g.memory_gb for g in resources.gpus) < req.min_gpu_memory_gb:
         return False
     if req.gpu_models:
         allowed = {m.casefold() for m in req.gpu_models}
-        return any(g.model.casefold() in allowed for g in resources.gpus)
+        return all(g.model.casefold() in allowed for g in resources.gpus)
     return True
 
 
-def _eligible(node: NodeView, spec: JobSpec) -> bool:
-    price_ok = spec.max_price_per_gpu_hour is None or node.price_per_gpu_hour <= spec.max_price_per_gpu_hour
-    return price_ok and meets_requirements(node.resources, spec.requirements)
+def eligible(node: NodeView, spec: JobSpec) -> bool:
+    """Whether the node may ever serve the job: requirements, verification and price (not liveness or load)."""
+    if spec.requirements.verified_only and not node.verified:
+        return False
+    bid = spec.max_price_per_gpu_hour
+    if bid is not None and not node.price_per_gpu_hour <= bid:
+        return False
+    return meets_requirements(node.resources, spec.requirements, spec.gpus_per_node)
+
+
+def job_priority(job: JobView) -> tuple:
+    """Sort key: priced bids first, highest first; then no bid; FIFO within a bid, then by id."""
+    bid = job.spec.max_price_per_gpu_hour
+    return (bid is None, -(bid or 0.0), job.created_at, job.id)
+
+
+def median_throughput(nodes: Iterable[NodeView]) -> float | None:
+    known = [n.throughput for n in nodes if n.throughput is not None and n.throughput > 0]
+    return statistics.median(known) if known else None
+
+
+def _clip(x: float) -> float:
+    return -_CLIP if x < -_CLIP else _CLIP if x > _CLIP else x
+
+
+def node_score(node: NodeView, median: float | None) -> float:
+    """The job-independent part of the score: ask, reputation and throughput (the bid term left out)."""
+    score = -math.log(max(node.price_per_gpu_hour, 0.0) + PRICE_FLOOR)
+    score += W_REPUTATION * (min(max(node.reputation, 0.0), 1.0) - 0.5)
+    t = node.throughput
+    if t is not None and t > 0 and median:
+        score += W_THROUGHPUT * _clip(math.log(t / median))
+    return score
+
+
+def mean_rtt_ms(node: NodeView, members: Iterable[str], nodes_by_id: Mapping[str, NodeView]) -> float | None:
+    """Mean of the known RTTs between `node` and `members`, from either side's measurement; None if none known."""
+    total, count = 0.0, 0
+    for m in members:
+        rtt = node.rtt_ms.get(m)
+        if rtt is None and (other := nodes_by_id.get(m)) is not None:
+            rtt = other.rtt_ms.get(node.id)
+        if rtt is not None and rtt >= 0:  # NaN and negative values count as unknown
+            total += rtt
+            count += 1
+    return total / count if count else None
+
+
+def rtt_bonus(mean_rtt: float | None) -> float:
+    if mean_rtt is None:
+        return 0.0
+    return W_RTT * _clip(math.log(RTT_REF_MS / max(mean_rtt, 1e-3)))
+
+
+class _Room:
+    """The positions in a group's order whose node has at least `gpus` free: a union-find "next such position"."""
+
+    __slots__ = ("parent", "count")
+
+    def __init__(self, order: list[int], free: list[int], gpus: int):
+        # A position without room points at the next one; the last position is a sentinel.
+        self.parent = [pos if free[i] >= gpus else pos + 1 for pos, i in enumerate(order)]
+        self.parent.append(len(order))
+        self.count = sum(1 for i in order if free[i] >= gpus)
+
+    def next(self, j: int) -> int:
+        parent = self.parent
+        root = j
+        while parent[root] != root:
+            root = parent[root]
+        while parent[j] != root:
+            parent[j], j = root, parent[j]
+        return root
+
+    def close(self, pos: int) -> None:
+        self.parent[pos] = pos + 1
+        self.count -= 1
+
+
+class _Group:
+    """Nodes of one capability, best `node_score` first, with a `_Room` per number of GPUs that jobs ask for."""
+
+    __slots__ = ("order", "asks", "by_ask", "rooms", "is_cpu", "verified", "models", "min_memory")
+
+    def __init__(self, key: tuple, members: list[int], base: list[float], ask: list[float]):
+        self.is_cpu, self.verified, self.models, self.min_memory = key
+        self.order = sorted(members, key=lambda i: (-base[i], i))  # i is the node's rank by id
+        self.by_ask = sorted(members, key=lambda i: (ask[i], i))
+        self.asks = [ask[i] for i in self.by_ask]
+        self.rooms: dict[int, _Room] = {}
+
+    def serves(self, allow_cpu_slot: bool, min_memory: float, allowed: frozenset[str] | None,
+               verified_only: bool) -> bool:
+        if verified_only and not self.verified:
+            return False
+        if self.is_cpu:
+            return allow_cpu_slot
+        return self.min_memory >= min_memory and (allowed is None or self.models <= allowed)
+
+    def room(self, gpus: int, free: list[int]) -> _Room:
+        if (room := self.rooms.get(gpus)) is None:
+            room = self.rooms[gpus] = _Room(self.order, free, gpus)
+        return room
+
+
+def _capability(node: NodeView) -> tuple:
+    gpus = node.resources.gpus
+    if not gpus:
+        return (True, node.verified, frozenset(), 0.0)
+    return (False, node.verified, frozenset(g.model.casefold() for g in gpus), min(g.memory_gb for g in gpus))
 
 
 def match(jobs: Iterable[JobView], nodes: Sequence[NodeView], now: float, *, liveness: float) -> list[Match]:
-    free = sorted(
-        (n for n in nodes if not n.busy and now - n.last_seen <= liveness),
-        key=lambda n: (n.price_per_gpu_hour, n.id),
-    )
-    taken: set[str] = set()
-    matches: list[Match] = []
-    open_jobs = sorted((j for j in jobs if j.state in (JobState.PENDING, JobState.RUNNING)),
-                       key=lambda j: (j.created_at, j.id))
+    open_jobs = sorted((j for j in jobs if j.state in OPEN_STATES and j.funded), key=job_priority)
+    if not open_jobs:
+        return []
+    market = _Market(nodes, now, liveness, open_jobs)
+    out: list[Match] = []
     for job in open_jobs:
-        want = job.spec.max_nodes - len(job.active_shards)
+        spec = job.spec
+        current = max(len(job.members), len(job.active_shards))
+        spare = [s for s in range(spec.max_nodes) if s not in job.active_shards]
+        want = min(spec.max_nodes - current, len(spare))
         if want <= 0:
             continue
-        candidates = [n for n in free if n.id not in taken and _eligible(n, job.spec)][:want]
-        if len(job.active_shards) + len(candidates) < job.spec.min_nodes and job.state is JobState.PENDING:
-            continue
-        spare_shards = (i for i in range(job.spec.max_nodes) if i not in job.active_shards)
-        for node, shard in zip(candidates, spare_shards, strict=False):
-            taken.add(node.id)
-            matches.append(Match(job.id, node.id, shard, job.spec.max_nodes))
-    return matches
+        need = max(spec.min_nodes - current, 1) if job.state == JobState.PENDING else 1
+        found = market.best(job, want, need)
+        if len(found) < need:
+            continue  # a pending job below min_nodes holds nothing (backfill)
+        for i, shard in zip(found, spare, strict=False):
+            market.take(i, spec.gpus_per_node)
+            out.append(Match(job.id, market.ids[i], shard, spec.max_nodes, spec.gpus_per_node, market.ask[i]))
+    return out
+
+
+class _Market:
+    """One pass's view of the nodes with capacity left, indexed by their rank by id (which breaks score ties)."""
+
+    def __init__(self, nodes: Sequence[NodeView], now: float, liveness: float, open_jobs: list[JobView]):
+        live = [n for n in nodes if now - n.last_seen <= liveness]
+        median = median_throughput(live)
+        self.nodes_by_id = {n.id: n for n in nodes}
+        self.cand = cand = sorted((n for n in live if n.capacity - n.gpus_in_use > 0), key=lambda n: n.id)
+        self.ids = [n.id for n in cand]
+        self.index_of = {nid: i for i, nid in enumerate(self.ids)}
+        self.free = [n.capacity - n.gpus_in_use for n in cand]
+        self.ask = [n.price_per_gpu_hour for n in cand]
+        self.base = [node_score(n, median) for n in cand]
+        by_capability: dict[tuple, list[int]] = {}
+        for i, n in enumerate(cand):
+            by_capability.setdefault(_capability(n), []).append(i)
+        self.groups = [_Group(key, idx, self.base, self.ask) for key, idx in by_capability.items()]
+        self.group_of = [0] * len(cand)
+        self.position = [0] * len(cand)
+        for g, grp in enumerate(self.groups):
+            for pos, i in enumerate(grp.order):
+                self.group_of[i], self.position[i] = g, pos
+        self.serving: dict[tuple, tuple[list[_Group], frozenset[int]]] = {}
+        # Who measured an RTT to a member of some job: (candidate, ms) by member id. Only candidates in here (or in
+        # a member's own map) can have an RTT term; every other candidate's term is 0.
+        wanted = set().union(*(j.members for j in open_jobs))
+        self.measured_to: dict[str, list[tuple[int, float]]] = {}
+        if wanted:
+            for i, n in enumerate(cand):
+                if n.rtt_ms:
+                    for m in n.rtt_ms.keys() & wanted:
+                        self.measured_to.setdefault(m, []).append((i, n.rtt_ms[m]))
+
+    def take(self, i: int, gpus: int) -> None:
+        before = self.free[i]
+        self.free[i] = after = before - gpus
+        grp, pos = self.groups[self.group_of[i]], self.position[i]
+        for needs, room in grp.rooms.items():
+            if after < needs <= before:  # the node no longer has room for jobs that need this many GPUs
+                room.close(pos)
+
+    def best(self, job: JobView, want: int, need: int) -> list[int]:
+        """The job's best `want` candidates, best first; fewer if there are not enough, and none if fewer than
+        `need`. Exact, not a heuristic."""
+        spec = job.spec
+        req, gpus = spec.requirements, spec.gpus_per_node
+        allowed = frozenset(m.casefold() for m in req.gpu_models) if req.gpu_models else None
+        allow_cpu_slot = req.allow_cpu and gpus == 1 and req.min_gpu_memory_gb == 0 and allowed is None
+        key = (allow_cpu_slot, req.min_gpu_memory_gb, allowed, req.verified_only)
+        if (serving := self.serving.get(key)) is None:
+            numbers = [g for g, grp in enumerate(self.groups) if grp.serves(*key)]
+            serving = self.serving[key] = ([self.groups[g] for g in numbers], frozenset(numbers))
+        groups, group_numbers = serving
+        if sum(grp.room(gpus, self.free).count for grp in groups) < need:
+            return []  # not enough nodes with room, whatever their price
+        bid = math.inf if spec.max_price_per_gpu_hour is None else spec.max_price_per_gpu_hour
+        found: list[tuple[float, int]] = []
+        skip = {i for m in job.members if (i := self.index_of.get(m)) is not None}
+        if job.members:
+            # Candidates with an RTT term are scored apart; all others score their base, in the groups' order.
+            free, ask, base, group_of = self.free, self.ask, self.base, self.group_of
+            for i, bonus in self._rtt_bonuses(job.members).items():
+                if (i not in skip and group_of[i] in group_numbers and free[i] >= gpus and ask[i] <= bid):
+                    found.append((base[i] + bonus, i))
+                skip.add(i)
+        for grp in groups:
+            found += self._walk(grp, want, gpus, bid, skip)
+        found.sort(key=lambda item: (-item[0], item[1]))
+        return [i for _, i in found[:want]]
+
+    def _rtt_bonuses(self, members: frozenset[str]) -> dict[int, float]:
+        """The RTT term of every candidate with a known RTT to a member, as `rtt_bonus(mean_rtt_ms(...))`.
+
+        Sums run over the members in the same order as `mean_rtt_ms`, so the floats are the same."""
+        sums: dict[int, float] = {}
+        counts: dict[int, int] = {}
+        cand, index_of = self.cand, self.index_of
+        for m in members:
+            for i, rtt in self.measured_to.get(m, ()):  # the candidate's own measurement comes first
+                if rtt >= 0:
+                    sums[i] = sums.get(i, 0.0) + rtt
+                    counts[i] = counts.get(i, 0) + 1
+            member = self.nodes_by_id.get(m)
+            if member is not None and member.rtt_ms:
+                for nid, rtt in member.rtt_ms.items():
+                    i = index_of.get(nid)
+                    if i is not None and m not in cand[i].rtt_ms and rtt >= 0:
+                        sums[i] = sums.get(i, 0.0) + rtt
+                        counts[i] = counts.get(i, 0) + 1
+        return {i: rtt_bonus(total / counts[i]) for i, total in sums.items()}
+
+    def _walk(self, grp: _Group, want: int, gpus: int, bid: float, skip: set[int]) -> list[tuple[float, int]]:
+        """The group's first `want` candidates in score order that have room, are within the bid and not skipped."""
+        order, size = grp.order, len(grp.order)
+        within_bid = size if bid == math.inf else bisect_right(grp.asks, bid)
+        room = grp.room(gpus, self.free)
+        if within_bid == 0 or room.count == 0:
+            return []
+        free, ask, base = self.free, self.ask, self.base
+        # Walking in score order wastes steps on nodes above the bid; past `within_bid` steps, scanning the nodes
+        # within the bid (sorted by ask) is cheaper, and the walk switches to it.
+        budget = within_bid if within_bid < size else size + 1
+        steps = 0
+        got: list[tuple[float, int]] = []
+        j = room.next(0)
+        while j < size:
+            i = order[j]
+            if ask[i] <= bid and i not in skip:
+                got.append((base[i], i))
+                if len(got) == want:
+                    return got
+            steps += 1
+            if steps > budget:
+                return _scan_within_bid(grp, within_bid, want, gpus, skip, free, base)
+            j = room.next(j + 1)
+        return got
+
+
+def _scan_within_bid(grp: _Group, within_bid: int, want: int, gpus: int, skip: set[int], free: list[int],
+                     base: list[float]) -> list[tuple[float, int]]:
+    scored = [(base[i], i) for i in grp.by_ask[:within_bid] if free[i] >= gpus and i not in skip]
+    return heapq.nsmallest(want, scored, key=lambda item: (-item[0], item[1]))

@@ -17,33 +17,53 @@ import time
 from typing import Any, TypeVar
 
 from aiohttp import web
-from gpuswarm.coordinator.config import ADMIN_TOKEN, ADVERTS, CONFIG, DHT_PEERS, MESH_VERSION, SESSIONS, WAKE
-from gpuswarm.coordinator.db import Artifact, AssignmentRow, Contribution, Job, JobEvent, Node, remember_nonce
+from gpuswarm.coordinator import ledger, openapi, reputation
+from gpuswarm.coordinator.auth import check_owner, create_owner, current_owner, owner_of, require_admin
+from gpuswarm.coordinator.challenge_schedule import after_registration
+from gpuswarm.coordinator.config import ADVERTS, CONFIG, DHT_PEERS, HEARTBEATS, MESH_VERSION, SESSIONS, WAKE
+from gpuswarm.coordinator.db import (
+    Artifact,
+    AssignmentRow,
+    Attestation,
+    Contribution,
+    Job,
+    JobEvent,
+    Node,
+    Owner,
+    remember_nonce,
+)
 from gpuswarm.coordinator.errors import (
     BadRequest,
     Conflict,
     Forbidden,
     NotFound,
     PayloadTooLarge,
+    PaymentRequired,
     Unauthorized,
     Unprocessable,
     validation_details,
 )
+from gpuswarm.coordinator.heartbeats import end_job, lose_assignments
 from gpuswarm.coordinator.mesh import assign_address, mesh_config, release_address
+from gpuswarm.coordinator.openapi import describe
 from gpuswarm.proto.dht import job_run_id
 from gpuswarm.proto.models import (
+    CLAIM_KIND,
     ArtifactMeta,
     Assignment,
     AssignmentPoll,
     AssignmentState,
     ContributionClaim,
+    CreditAdjustment,
     Heartbeat,
     JobSpec,
     JobState,
     MeshPoll,
+    NewOwner,
     NodeRegistration,
     NodeState,
     RegistrationResponse,
+    RoundReport,
     is_job_id,
 )
 from gpuswarm.proto.signing import MAX_CLOCK_SKEW, SignatureError, SignedEnvelope, node_id_for, verify
@@ -62,9 +82,9 @@ ENVELOPE_HEADER = "X-Gpuswarm-Envelope"
 # ---------------------------------------------------------------------------------------------------- parsing
 
 
-async def read_json(request: web.Request) -> Any:
-    """The request body as JSON, refusing bodies over the JSON cap before reading them whole."""
-    limit = request.app[CONFIG].max_json_bytes
+async def read_json(request: web.Request, limit: int | None = None) -> Any:
+    """The request body as JSON, refusing bodies over `limit` (default: the JSON cap) before reading them whole."""
+    limit = limit or request.app[CONFIG].max_json_bytes
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body is {request.content_length} bytes; the limit is {limit}")
     raw = bytearray()
@@ -73,11 +93,30 @@ async def read_json(request: web.Request) -> Any:
     if len(raw) > limit:
         raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"malformed JSON: {e}", code="malformed_json") from None
     except RecursionError:
         raise BadRequest("malformed JSON: nested too deeply", code="malformed_json") from None
+    if _has_nul(data):
+        # PostgreSQL text cannot hold NUL (SQLite would store it): refuse it here for every database alike.
+        raise Unprocessable("text must not contain NUL characters (\\u0000)", code="nul_character")
+    return data
+
+
+def _has_nul(data: Any) -> bool:
+    stack = [data]
+    while stack:  # a loop, not recursion: json.loads accepts nesting deeper than a recursive walk would survive
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def parse(model: type[M], data: Any, what: str) -> M:
@@ -118,6 +157,14 @@ async def known_node(session: AsyncSession, envelope: SignedEnvelope, node_id: s
     return node
 
 
+async def owned_job(request: web.Request, session: AsyncSession) -> Job:
+    """The job named in the URL, if the request's owner token is its owner's (401/403/404 otherwise)."""
+    owner = await current_owner(request, session)
+    job = await get_job(session, request.match_info["job_id"])
+    check_owner(job, owner)
+    return job
+
+
 async def get_job(session: AsyncSession, job_id: str) -> Job:
     job = await session.get(Job, job_id) if is_job_id(job_id) else None
     if job is None:
@@ -133,14 +180,6 @@ def wake(request: web.Request) -> None:
 async def mesh_changed(request: web.Request) -> int:
     """Tell long-polling nodes that peer lists changed; returns the new mesh version."""
     return await request.app[MESH_VERSION].bump()
-
-
-def require_admin(request: web.Request) -> None:
-    expected = request.app[ADMIN_TOKEN]
-    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    if not given or not secrets.compare_digest(given, expected):
-        raise Unauthorized("this needs the admin token (Authorization: Bearer ...; see DATA_DIR/admin.token)",
-                           code="admin_only")
 
 
 def observed_endpoint(request: web.Request, port: int) -> str | None:
@@ -160,7 +199,8 @@ def job_json(job: Job) -> dict:
         "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
         "progress": {"epoch": job.epoch, "global_step": job.global_step, "accuracy": job.accuracy, "loss": job.loss,
                      "samples_per_second": job.samples_per_second, "peers": job.peers},
-        "final_accuracy": job.final_accuracy, "error": job.error,
+        "final_accuracy": job.final_accuracy, "error": job.error, "owner_id": job.owner_id,
+        "dht_epoch": job.dht_epoch,
     }
 
 
@@ -171,19 +211,11 @@ def node_json(node: Node, adverts: dict) -> dict:
         "software_version": node.software_version, "price_per_gpu_hour": node.price_per_gpu_hour,
         "endpoints": node.endpoints, "registered_at": node.registered_at, "last_seen": node.last_seen,
         "revoked": node.revoked, "mesh_address": node.mesh_address, "mesh_endpoints": node.mesh_endpoints,
+        "verified": bool(getattr(node, "verified", False)), "measured_gflops": getattr(node, "measured_gflops", None),
+        "online_seconds": round(node.online_seconds, 1),
         "advert": None if advert is None else {"state": advert["state"], "expires_at": advert["dht_expiry"],
                                                 "maddrs": advert["maddrs"]},
     }
-
-
-async def ledger(session: AsyncSession, job_id: str) -> list[dict]:
-    rows = await session.execute(
-        select(Contribution.node_id, func.sum(Contribution.samples), func.sum(Contribution.steps),
-               func.sum(Contribution.compute_seconds), func.sum(Contribution.rounds_joined), func.count())
-        .where(Contribution.job_id == job_id).group_by(Contribution.node_id).order_by(Contribution.node_id)
-    )
-    return [{"node_id": n, "samples": s, "steps": st, "compute_seconds": round(c, 3), "rounds_joined": r,
-             "claims": k} for n, s, st, c, r, k in rows]
 
 
 # ---------------------------------------------------------------------------------------------------- general
@@ -191,11 +223,19 @@ async def ledger(session: AsyncSession, job_id: str) -> list[dict]:
 
 @routes.get("/v1/health")
 async def health(request: web.Request) -> web.Response:
+    """Liveness, version and the coordinator's clock."""
     return web.json_response({"ok": True, "version": __version__, "time": time.time()})
+
+
+@routes.get("/v1/openapi.json")
+async def openapi_document(request: web.Request) -> web.Response:
+    """This API's OpenAPI 3.1 document."""
+    return web.json_response(openapi.build(request.app))
 
 
 @routes.get("/v1/dht")
 async def dht_peers(request: web.Request) -> web.Response:
+    """The DHT bootstrap peer's multiaddrs."""
     return web.json_response({"initial_peers": request.app[DHT_PEERS]})
 
 
@@ -203,7 +243,9 @@ async def dht_peers(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/nodes/register")
+@describe(auth="node", body=NodeRegistration, signed="register")
 async def register(request: web.Request) -> web.Response:
+    """Register (or re-register) a node; with the mesh, returns its mesh address and peers."""
     envelope, reg = await read_signed(request, "register", NodeRegistration)
     if node_id_for(envelope.public_key) != reg.node_id:
         raise Unauthorized("node_id is not derived from the signing key", code="bad_signature")
@@ -216,7 +258,9 @@ async def register(request: web.Request) -> web.Response:
             session.add(node)
         elif node.revoked:
             raise Forbidden(f"node {reg.node_id} has been revoked", code="revoked")
-        node.resources = reg.resources.model_dump(mode="json")
+        resources = reg.resources.model_dump(mode="json")
+        after_registration(node, node.resources != resources, config, now)  # GPU challenge due; new claim: unverified
+        node.resources = resources
         node.software_version = reg.software_version
         node.price_per_gpu_hour = reg.price_per_gpu_hour
         # The address the coordinator saw the node from is a candidate endpoint the node itself may not know.
@@ -246,46 +290,20 @@ async def register(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/nodes/heartbeat")
+@describe(auth="node", body=Heartbeat, signed="heartbeat")
 async def heartbeat(request: web.Request) -> web.Response:
+    """A node's heartbeat: state, training progress, failures, RTTs to peers."""
     envelope, hb = await read_signed(request, "heartbeat", Heartbeat)
-    config, now = request.app[CONFIG], time.time()
-    async with request.app[SESSIONS].begin() as session:
-        node = await known_node(session, envelope, hb.node_id)
-        was_online = node.online
-        node.last_seen, node.state, node.online = now, hb.state.value, hb.state is not NodeState.OFFLINE
-        membership_changed = node.mesh_address is not None and was_online != node.online
-        active = {a.job_id: a for a in (await session.scalars(select(AssignmentRow).where(
-            AssignmentRow.node_id == node.id, AssignmentRow.state == AssignmentState.ACTIVE.value))).all()}
-        for p in hb.progress:
-            job = await session.get(Job, p.job_id)
-            # Only a member of a running job moves its progress, and never backwards.
-            if job is None or p.job_id not in active or job.state != JobState.RUNNING.value:
-                continue
-            if p.global_step >= job.global_step:
-                job.epoch, job.global_step, job.accuracy, job.loss = p.epoch, p.global_step, p.accuracy, p.loss
-                job.samples_per_second, job.peers = p.samples_per_second, p.peers
-        for f in hb.failures:
-            assignment = active.pop(f.job_id, None)  # pop: one failure per assignment, however often it is listed
-            if assignment is None:
-                continue
-            assignment.state, assignment.ended_at = AssignmentState.FAILED.value, now
-            assignment.reason = f.reason[-2000:]
-            job = await session.get(Job, f.job_id)
-            job.failures += 1
-            session.add(JobEvent(job_id=job.id, at=now, message=f"node {node.id} failed: {f.reason[-300:]}"))
-            if job.failures >= config.max_job_failures and not JobState(job.state).is_final:
-                job.error = f.reason[-2000:]
-                await end_job(session, job, JobState.FAILED, now, f"failed after {job.failures} node failures")
-        if hb.state is NodeState.OFFLINE:
-            await lose_assignments(session, node.id, now, "node went offline")
-    if hb.failures or hb.state is NodeState.OFFLINE:
+    outcome = await request.app[HEARTBEATS].submit(envelope, hb)
+    if outcome.wake:
         wake(request)
-    if membership_changed:
+    if outcome.membership_changed:
         await mesh_changed(request)
-    return web.json_response({"ok": True, "server_time": now})
+    return web.json_response({"ok": True, "server_time": time.time(), "challenge": outcome.challenge})
 
 
 @routes.post("/v1/mesh/peers")
+@describe(auth="node", body=MeshPoll, signed="mesh_poll")
 async def mesh_peers(request: web.Request) -> web.Response:
     """Long-poll: answers as soon as the mesh version passes `since` (at once if it already has), or after
     `mesh_poll_timeout` seconds with the current list. Nodes apply joins, leaves and revocations from here."""
@@ -305,6 +323,7 @@ async def mesh_peers(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/nodes/{node_id}/revoke")
+@describe(auth="admin")
 async def revoke_node(request: web.Request) -> web.Response:
     """Admin: remove a node from every peer's mesh, end its assignments, refuse its later requests."""
     require_admin(request)
@@ -326,7 +345,9 @@ async def revoke_node(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/nodes/assignments")
+@describe(auth="node", body=AssignmentPoll, signed="poll")
 async def poll_assignments(request: web.Request) -> web.Response:
+    """The node's active assignments."""
     envelope, poll = await read_signed(request, "poll", AssignmentPoll)
     async with request.app[SESSIONS].begin() as session:
         await known_node(session, envelope, poll.node_id)
@@ -346,57 +367,109 @@ async def poll_assignments(request: web.Request) -> web.Response:
 
 @routes.get("/v1/nodes")
 async def list_nodes(request: web.Request) -> web.Response:
+    """Every registered node: resources, price, reputation, verification, state, live DHT advert."""
     async with request.app[SESSIONS]() as session:
         nodes = (await session.scalars(select(Node).order_by(Node.registered_at))).all()
-        busy = dict((await session.execute(select(AssignmentRow.node_id, AssignmentRow.job_id).where(
-            AssignmentRow.state == AssignmentState.ACTIVE.value))).all())
+        jobs: dict[str, list[str]] = {}
+        for node_id, job_id in await session.execute(select(AssignmentRow.node_id, AssignmentRow.job_id).where(
+                AssignmentRow.state == AssignmentState.ACTIVE.value)):
+            jobs.setdefault(node_id, []).append(job_id)
+        records = await reputation.records(session, list(nodes), time.time())
     adverts = request.app.get(ADVERTS, {})
-    return web.json_response({"nodes": [node_json(n, adverts) | {"job_id": busy.get(n.id)} for n in nodes]})
-
-
-async def lose_assignments(session: AsyncSession, node_id: str, now: float, reason: str) -> None:
-    rows = (await session.scalars(select(AssignmentRow).where(
-        AssignmentRow.node_id == node_id, AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
-    for a in rows:
-        a.state, a.ended_at, a.reason = AssignmentState.LOST.value, now, reason
-        session.add(JobEvent(job_id=a.job_id, at=now, message=f"node {node_id}: {reason}"))
+    return web.json_response({"nodes": [
+        node_json(n, adverts) | {"job_id": (jobs.get(n.id) or [None])[0], "job_ids": jobs.get(n.id, []),
+                                 "reputation": reputation.score(records[n.id])} for n in nodes]})
 
 
 # ---------------------------------------------------------------------------------------------------- contributions
 
 
-@routes.post("/v1/contributions")
-async def report_contribution(request: web.Request) -> web.Response:
-    envelope, claim = await read_signed(request, "contribution", ContributionClaim)
+@routes.post("/v1/rounds")
+@describe(auth="node", body=RoundReport, signed="round_report")
+async def report_round(request: web.Request) -> web.Response:
+    """A member's report of one round: its group's signed claims. Claims by nodes that are not members of the
+    job, or for another job, are ignored (a peer's bad gather data must not void an honest report); a claim that
+    is not a valid signed claim rejects the whole report. Reporting the same round again changes nothing."""
+    envelope, report = await read_signed(request, "round_report", RoundReport)
     now = time.time()
-    if claim.window_end > now + MAX_CLOCK_SKEW:
-        raise Unprocessable("claim window ends in the future", code="bad_claim")
+    claims: list[tuple[SignedEnvelope, ContributionClaim]] = []
+    for i, raw in enumerate(report.claims):
+        claim_envelope = parse(SignedEnvelope, raw, f"claim {i}")
+        try:
+            signer = verify(claim_envelope, kind=CLAIM_KIND, max_skew=float("inf"))  # may be buffered for long
+        except SignatureError as e:
+            raise Unprocessable(f"claim {i}: {e}", code="bad_claim") from None
+        claim = parse(ContributionClaim, claim_envelope.payload, f"claim {i}")
+        if claim.node_id != signer:
+            raise Unprocessable(f"claim {i} is not signed by node {claim.node_id}", code="bad_claim")
+        if claim.window_end > now + MAX_CLOCK_SKEW:
+            raise Unprocessable(f"claim {i}: its window ends in the future", code="bad_claim")
+        claims.append((claim_envelope, claim))
+    own = [c for _, c in claims if c.node_id == report.node_id and c.job_id == report.job_id]
+    if not own:
+        raise Unprocessable("a round report must include the reporter's own claim", code="bad_claim")
+    if report.solo and len(claims) != 1:
+        raise Unprocessable("a solo round report holds exactly one claim", code="bad_claim")
+    results, ignored = [], []
     async with request.app[SESSIONS].begin() as session:
-        await known_node(session, envelope, claim.node_id)
-        job = await get_job(session, claim.job_id)
-        member = await session.scalar(select(AssignmentRow.id).where(
-            AssignmentRow.job_id == job.id, AssignmentRow.node_id == claim.node_id).limit(1))
-        if member is None:
-            raise Forbidden(f"node {claim.node_id} was never assigned to job {job.id}", code="not_a_member")
-        duplicate = await session.scalar(select(Contribution.id).where(
-            Contribution.job_id == claim.job_id, Contribution.node_id == claim.node_id, Contribution.seq == claim.seq))
-        if duplicate is not None:
-            raise Conflict(f"claim {claim.seq} of node {claim.node_id} for {job.id} was already recorded",
-                           code="duplicate_claim")
-        session.add(Contribution(**claim.model_dump(), received_at=now, envelope=envelope.model_dump(mode="json")))
-    return web.json_response({"ok": True, "seq": claim.seq}, status=201)
+        await known_node(session, envelope, report.node_id)
+        job = await get_job(session, report.job_id)
+        members = set((await session.scalars(select(AssignmentRow.node_id).where(
+            AssignmentRow.job_id == job.id))).all())
+        if report.node_id not in members:
+            raise Forbidden(f"node {report.node_id} was never assigned to job {job.id}", code="not_a_member")
+        for claim_envelope, claim in claims:
+            if claim.job_id != job.id or claim.node_id not in members:
+                ignored.append({"node_id": claim.node_id, "epoch": claim.epoch,
+                                "reason": "not a member of this job" if claim.job_id == job.id else "another job"})
+                continue
+            row = await session.scalar(select(Contribution).where(
+                Contribution.job_id == job.id, Contribution.node_id == claim.node_id,
+                Contribution.epoch == claim.epoch, Contribution.signature == claim_envelope.signature))
+            if row is None:
+                row = Contribution(**claim.model_dump(exclude={"peer_id"}), solo=report.solo,
+                                   signature=claim_envelope.signature, received_at=now,
+                                   envelope=claim_envelope.model_dump(mode="json"), status="pending")
+                session.add(row)
+                await session.flush()
+            if claim.node_id != report.node_id:
+                seen = await session.scalar(select(Attestation.id).where(
+                    Attestation.claim_id == row.id, Attestation.attester == report.node_id))
+                if seen is None:
+                    session.add(Attestation(claim_id=row.id, attester=report.node_id, at=now))
+            results.append(row)
+        await session.flush()
+        waiting = set((await session.scalars(select(Contribution.epoch).where(
+            Contribution.job_id == job.id, Contribution.status == "pending").distinct())).all())
+        events = await ledger.credit_epochs(session, job, waiting | {r.epoch for r in results}, now)
+        for message in dict.fromkeys(events):
+            session.add(JobEvent(job_id=job.id, at=now, message=message))
+        if "budget exhausted" in events and not JobState(job.state).is_final:
+            job.error = "the job's budget is spent"
+            await end_job(session, job, JobState.FAILED, now, "failed: budget exhausted")
+        body = {"ok": True, "claims": [{"node_id": r.node_id, "epoch": r.epoch, "status": r.status,
+                                        "credited_samples": r.credited_samples, "flag": r.flag} for r in results],
+                "ignored": ignored}
+    return web.json_response(body, status=201)
 
 
 # ---------------------------------------------------------------------------------------------------- jobs
 
 
 @routes.post("/v1/jobs")
+@describe(auth="owner", body=JobSpec)
 async def submit_job(request: web.Request) -> web.Response:
+    """Submit a job (the budget must not exceed the owner's balance)."""
+    owner = await owner_of(request)
     spec = parse(JobSpec, await read_json(request), "job spec")
     now = time.time()
     job = Job(id=f"j-{secrets.token_hex(6)}", name=spec.name, spec=spec.model_dump(mode="json"),
-              state=JobState.PENDING.value, created_at=now)
+              state=JobState.PENDING.value, created_at=now, owner_id=owner.id)
     async with request.app[SESSIONS].begin() as session:
+        available = await ledger.balance(session, ledger.owner_account(owner.id))
+        if available < ledger.micro(spec.budget):
+            raise PaymentRequired(f"the budget {spec.budget} is more than your balance "
+                                  f"{ledger.credits(available)}", code="insufficient_funds")
         session.add(job)
         session.add(JobEvent(job_id=job.id, at=now, message=f"submitted ({spec.workload}, "
                              f"{spec.min_nodes}-{spec.max_nodes} nodes)"))
@@ -406,12 +479,15 @@ async def submit_job(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/jobs")
+@describe(auth="owner")
 async def list_jobs(request: web.Request) -> web.Response:
+    """The owner's jobs, newest first (?state= filters)."""
     state = request.query.get("state")
     if state is not None and state not in {s.value for s in JobState}:
         raise BadRequest(f"unknown state {state!r}; one of {', '.join(s.value for s in JobState)}")
     async with request.app[SESSIONS]() as session:
-        query = select(Job).order_by(Job.created_at.desc())
+        owner = await current_owner(request, session)
+        query = select(Job).where(Job.owner_id == owner.id).order_by(Job.created_at.desc())
         if state:
             query = query.where(Job.state == state)
         jobs = (await session.scalars(query)).all()
@@ -421,18 +497,21 @@ async def list_jobs(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/jobs/{job_id}")
+@describe(auth="owner")
 async def job_detail(request: web.Request) -> web.Response:
+    """A job with progress, assignments, contributions, artifacts and events."""
     async with request.app[SESSIONS]() as session:
-        job = await get_job(session, request.match_info["job_id"])
+        job = await owned_job(request, session)
         assignments = (await session.scalars(
             select(AssignmentRow).where(AssignmentRow.job_id == job.id).order_by(AssignmentRow.id))).all()
         artifacts = (await session.scalars(select(Artifact).where(Artifact.job_id == job.id))).all()
         events = (await session.scalars(
             select(JobEvent).where(JobEvent.job_id == job.id).order_by(JobEvent.id.desc()).limit(50))).all()
-        contributions = await ledger(session, job.id)
+        contributions = await ledger.contributions(session, job.id)
     return web.json_response(job_json(job) | {
-        "assignments": [{"node_id": a.node_id, "state": a.state, "shard_index": a.shard_index,
-                         "created_at": a.created_at, "ended_at": a.ended_at, "reason": a.reason} for a in assignments],
+        "assignments": [{"node_id": a.node_id, "state": a.state, "shard_index": a.shard_index, "gpus": a.gpus,
+                         "price_per_gpu_hour": a.price_per_gpu_hour, "created_at": a.created_at,
+                         "ended_at": a.ended_at, "reason": a.reason} for a in assignments],
         "artifacts": [{"name": a.name, "size": a.size, "sha256": a.sha256, "final": a.final, "accuracy": a.accuracy,
                        "node_id": a.node_id, "created_at": a.created_at} for a in artifacts],
         "contributions": contributions,
@@ -441,17 +520,21 @@ async def job_detail(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/jobs/{job_id}/contributions")
+@describe(auth="owner")
 async def job_contributions(request: web.Request) -> web.Response:
+    """Per node: claimed, credited and paid."""
     async with request.app[SESSIONS]() as session:
-        job = await get_job(session, request.match_info["job_id"])
-        return web.json_response({"job_id": job.id, "contributions": await ledger(session, job.id)})
+        job = await owned_job(request, session)
+        return web.json_response({"job_id": job.id, "contributions": await ledger.contributions(session, job.id)})
 
 
 @routes.post("/v1/jobs/{job_id}/cancel")
+@describe(auth="owner")
 async def cancel_job(request: web.Request) -> web.Response:
+    """Cancel a pending or running job."""
     now = time.time()
     async with request.app[SESSIONS].begin() as session:
-        job = await get_job(session, request.match_info["job_id"])
+        job = await owned_job(request, session)
         if JobState(job.state).is_final:
             raise Conflict(f"job {job.id} is already {job.state}", code="job_final")
         await end_job(session, job, JobState.CANCELLED, now, "cancelled by its owner")
@@ -459,22 +542,13 @@ async def cancel_job(request: web.Request) -> web.Response:
     return web.json_response(job_json(job))
 
 
-async def end_job(session: AsyncSession, job: Job, state: JobState, now: float, message: str) -> None:
-    """Move a job to a final state and close its active assignments."""
-    job.state, job.finished_at = state.value, now
-    closing = AssignmentState.CANCELLED if state is JobState.CANCELLED else AssignmentState.FINISHED
-    rows = (await session.scalars(select(AssignmentRow).where(
-        AssignmentRow.job_id == job.id, AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
-    for a in rows:
-        a.state, a.ended_at, a.reason = closing.value, now, message
-    session.add(JobEvent(job_id=job.id, at=now, message=message))
-
-
 # ---------------------------------------------------------------------------------------------------- artifacts
 
 
 @routes.put("/v1/jobs/{job_id}/artifacts/{name}")
+@describe(auth="node", body=ArtifactMeta, signed="artifact")
 async def upload_artifact(request: web.Request) -> web.Response:
+    """Upload a model or checkpoint; the signed header binds the bytes' size and SHA-256."""
     config = request.app[CONFIG]
     header = request.headers.get(ENVELOPE_HEADER)
     if header is None:
@@ -542,9 +616,11 @@ async def upload_artifact(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/jobs/{job_id}/artifacts/{name}")
+@describe(auth="owner")
 async def download_artifact(request: web.Request) -> web.StreamResponse:
+    """Download an artifact (header X-Content-SHA256)."""
     async with request.app[SESSIONS]() as session:
-        job = await get_job(session, request.match_info["job_id"])
+        job = await owned_job(request, session)
         artifact = await session.scalar(select(Artifact).where(Artifact.job_id == job.id,
                                                                Artifact.name == request.match_info["name"]))
     if artifact is None:
@@ -552,6 +628,75 @@ async def download_artifact(request: web.Request) -> web.StreamResponse:
     path = request.app[CONFIG].artifact_dir / job.id / artifact.name
     return web.FileResponse(path, headers={"X-Content-SHA256": artifact.sha256,
                                            "Content-Disposition": f'attachment; filename="{artifact.name}"'})
+
+
+# ---------------------------------------------------------------------------------------------------- accounts
+
+
+@routes.post("/v1/owners")
+@describe(auth="admin", body=NewOwner)
+async def new_owner(request: web.Request) -> web.Response:
+    """Admin: create a job owner's account with initial credits; the token is in this response only."""
+    require_admin(request)
+    body = parse(NewOwner, await read_json(request), "owner")
+    async with request.app[SESSIONS].begin() as session:
+        owner, token = await create_owner(session, body.name, body.credits, time.time())
+    return web.json_response({"id": owner.id, "name": owner.name, "token": token, "balance": body.credits},
+                             status=201)
+
+
+@routes.get("/v1/owners/me")
+@describe(auth="owner")
+async def whoami(request: web.Request) -> web.Response:
+    """The calling owner's account and balance."""
+    async with request.app[SESSIONS]() as session:
+        owner = await current_owner(request, session)
+        return web.json_response(await owner_json(session, owner))
+
+
+@routes.post("/v1/owners/{owner_id}/credits")
+@describe(auth="admin", body=CreditAdjustment)
+async def adjust_credits(request: web.Request) -> web.Response:
+    """Admin: grant (positive) or withdraw (negative) credits; an owner's balance never goes below zero."""
+    require_admin(request)
+    body = parse(CreditAdjustment, await read_json(request), "credit adjustment")
+    now = time.time()
+    async with request.app[SESSIONS].begin() as session:
+        owner = await session.get(Owner, request.match_info["owner_id"])
+        if owner is None:
+            raise NotFound(f"no owner {request.match_info['owner_id']!r}", code="unknown_owner")
+        account, amount = ledger.owner_account(owner.id), ledger.micro(body.amount)
+        if amount < 0 and await ledger.balance(session, account) < -amount:
+            raise Conflict("the adjustment would make the balance negative", code="insufficient_funds")
+        if amount > 0:
+            await ledger.transfer(session, ledger.MINT, account, amount, "adjust", now, memo=body.memo)
+        else:
+            await ledger.transfer(session, account, ledger.MINT, -amount, "adjust", now, memo=body.memo)
+        return web.json_response(await owner_json(session, owner))
+
+
+async def owner_json(session: AsyncSession, owner: Owner) -> dict:
+    return {"id": owner.id, "name": owner.name, "created_at": owner.created_at,
+            "balance": ledger.credits(await ledger.balance(session, ledger.owner_account(owner.id)))}
+
+
+@routes.get("/v1/jobs/{job_id}/statement")
+@describe(auth="owner")
+async def job_statement(request: web.Request) -> web.Response:
+    """The money side of a job: budget, escrow, payments per node, refund."""
+    async with request.app[SESSIONS]() as session:
+        job = await owned_job(request, session)
+        return web.json_response(await ledger.job_statement(session, job))
+
+
+@routes.get("/v1/nodes/{node_id}/statement")
+async def node_statement(request: web.Request) -> web.Response:
+    """Public, like an on-chain work log: what a node was credited and paid, job by job."""
+    async with request.app[SESSIONS]() as session:
+        node_id = request.match_info["node_id"]
+        if await session.get(Node, node_id) is None:
+            raise NotFound(f"node {node_id} is not registered", code="unknown_node")
+        return web.json_response(await ledger.node_statement(session, node_id))
 
 
 def setup_routes(app: web.Application) -> None:

@@ -14,16 +14,17 @@ from typing import Any
 
 import aiohttp
 from gpuswarm.node.identity import Identity
+from gpuswarm.proto import challenge as challenge_proto
 from gpuswarm.proto.models import (
     ArtifactMeta,
     Assignment,
     AssignmentPoll,
-    ContributionClaim,
     Heartbeat,
     MeshConfig,
     MeshPoll,
     NodeRegistration,
     RegistrationResponse,
+    RoundReport,
 )
 
 ENVELOPE_HEADER = "X-Gpuswarm-Envelope"
@@ -96,8 +97,8 @@ class CoordinatorClient:
                                   timeout=aiohttp.ClientTimeout(total=MESH_POLL_TIMEOUT))
         return MeshConfig.model_validate(data)
 
-    async def report(self, claim: ContributionClaim) -> None:
-        await self._signed("/v1/contributions", "contribution", claim.model_dump(mode="json"))
+    async def report_round(self, report: RoundReport) -> dict:
+        return await self._signed("/v1/rounds", "round_report", report.model_dump(mode="json"))
 
     async def upload(self, job_id: str, path: Path, *, final: bool, accuracy: float | None = None,
                      epoch: float | None = None) -> None:
@@ -109,3 +110,21 @@ class CoordinatorClient:
         await self._request("PUT", f"/v1/jobs/{job_id}/artifacts/{path.name}", data=data,
                             headers={ENVELOPE_HEADER: envelope.model_dump_json(),
                                      "Content-Type": "application/octet-stream"})
+
+    # GPU challenge (proto/challenge.py): start when the heartbeat answer asks, commit the root, prove the rows.
+
+    async def challenge_start(self) -> challenge_proto.ChallengeIssue:
+        data = await self._signed("/v1/challenges", challenge_proto.START_KIND,
+                                  challenge_proto.ChallengeStart(node_id=self.identity.node_id).model_dump(mode="json"))
+        return challenge_proto.ChallengeIssue.model_validate(data)
+
+    async def challenge_commit(self, commit: challenge_proto.ChallengeCommit) -> challenge_proto.CommitAnswer:
+        data = await self._signed(f"/v1/challenges/{commit.challenge_id}/commit", challenge_proto.COMMIT_KIND,
+                                  commit.model_dump(mode="json"))
+        return challenge_proto.CommitAnswer.model_validate(data)
+
+    async def challenge_proof(self, proof: challenge_proto.ChallengeProof) -> challenge_proto.ChallengeResult:
+        # The coordinator checks the proof in O(n^2) (seconds for the largest challenges): a longer timeout.
+        data = await self._signed(f"/v1/challenges/{proof.challenge_id}/proof", challenge_proto.PROOF_KIND,
+                                  proof.model_dump(mode="json"), timeout=aiohttp.ClientTimeout(total=120.0))
+        return challenge_proto.ChallengeResult.model_validate(data)

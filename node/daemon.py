@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuswarm.node.advertiser import Advertiser
+from gpuswarm.node.challenge import Challenger
 from gpuswarm.node.client import CoordinatorUnavailable, Rejected
 from gpuswarm.node.identity import Identity
 from gpuswarm.node.meshlink import MeshLink, MeshUnavailable
@@ -24,11 +25,11 @@ from gpuswarm.node.runner import JobRunner, RunningJob
 from gpuswarm.node.states import Facts, next_state
 from gpuswarm.proto.models import (
     AssignmentFailure,
-    ContributionClaim,
     Heartbeat,
     NodeRegistration,
     NodeState,
     Resources,
+    RoundReport,
 )
 
 from gpuswarm import __version__
@@ -86,6 +87,7 @@ class NodeDaemon:
         self._seen_assignments: set[int] = set()  # never restart an assignment that already ran here
         self._stopping: set[str] = set()  # jobs we stopped on purpose: their exit is not a failure
         self._stop_tasks: set[asyncio.Task] = set()
+        self.challenger = Challenger(client, resources, identity.node_id)  # GPU challenge, when the coordinator asks
 
     # ------------------------------------------------------------------------------------------------ loop
 
@@ -210,8 +212,9 @@ class NodeDaemon:
         progress = [j.progress for j in self.runner.running.values() if j.progress is not None]
         failures = list(self._failures)
         try:
-            await self.client.heartbeat(Heartbeat(node_id=self.identity.node_id, state=self.state,
-                                                  progress=progress, failures=failures))
+            rtts = self.mesh.peer_rtts() if self.mesh is not None else {}
+            answer = await self.client.heartbeat(Heartbeat(node_id=self.identity.node_id, state=self.state,
+                                                           progress=progress, failures=failures, peer_rtt_ms=rtts))
         except CoordinatorUnavailable as e:
             if self.reachable:
                 logger.warning("%s; training continues and reports are kept", e)
@@ -229,6 +232,7 @@ class NodeDaemon:
             logger.info("coordinator reachable again")
         self.reachable = True
         self._failures = self._failures[len(failures):]
+        self.challenger.on_heartbeat(answer)  # runs in the background; a failure there is only logged
 
     async def _sync_assignments(self) -> None:
         try:
@@ -260,12 +264,9 @@ class NodeDaemon:
 
     def _on_event(self, job: RunningJob, event: dict) -> None:
         kind = event.get("event")
-        if kind == "contribution":
-            claim = ContributionClaim(job_id=job.assignment.job_id, node_id=self.identity.node_id,
-                                      seq=self.outbox.next_seq(), **{k: event[k] for k in (
-                                          "samples", "steps", "compute_seconds", "rounds_joined",
-                                          "window_start", "window_end")})
-            self.outbox.add(claim)
+        if kind == "round":
+            self.outbox.add(RoundReport(job_id=job.assignment.job_id, node_id=self.identity.node_id,
+                                        epoch=event["epoch"], solo=event.get("solo", False), claims=event["claims"]))
         elif kind == "finished":
             logger.info("job %s reached its stop rule (accuracy %.4f); uploading the model",
                         job.assignment.job_id, event.get("accuracy", 0.0))
@@ -290,17 +291,20 @@ class NodeDaemon:
             self._uploads.remove(upload)
 
     async def _flush_outbox(self) -> None:
-        for claim in self.outbox.pending():
+        for report in self.outbox.pending():
             try:
-                await self.client.report(claim)
+                result = await self.client.report_round(report)
             except CoordinatorUnavailable:
                 return
             except Rejected as e:
                 if e.status in (401, 429):
                     return  # transient from our side (clock skew, rate limit): keep it
-                if e.code != "duplicate_claim":
-                    logger.error("claim %d for %s refused, dropping it: %s", claim.seq, claim.job_id, e)
-            self.outbox.ack(claim)
+                logger.error("round report %s epoch %d refused, dropping it: %s", report.job_id, report.epoch, e)
+            else:
+                for item in result.get("ignored", []):
+                    logger.warning("the coordinator ignored a claim of node %s in %s epoch %d: %s",
+                                   item.get("node_id"), report.job_id, report.epoch, item.get("reason"))
+            self.outbox.ack(report)
 
     # ------------------------------------------------------------------------------------------------ shutdown
 
@@ -317,6 +321,7 @@ class NodeDaemon:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.client.heartbeat(Heartbeat(
                     node_id=self.identity.node_id, state=NodeState.OFFLINE)), timeout=3)
+        await self.challenger.stop()
         await self.advertiser.shutdown()
         if self.mesh is not None:
             self._stop_mesh.set()

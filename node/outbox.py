@@ -1,8 +1,10 @@
-"""The node's outbox: contribution claims on disk until the coordinator acknowledges them.
+"""The node's outbox: round reports on disk until the coordinator acknowledges them.
 
-Claims are stored unsigned, one JSON file each, and signed afresh at every send, so a claim buffered through a
-long coordinator outage is not refused as stale. The coordinator deduplicates by (job, node, seq), so a resend
-after a lost acknowledgement is harmless. `seq` comes from a persisted counter, never reused across restarts.
+A report (`proto.models.RoundReport`) holds the signed claims of one round's group, as the training process
+collected them. It is stored unsigned, one JSON file per (job, epoch), and the report itself is signed afresh at
+every send, so a report buffered through a long coordinator outage is not refused as stale. The claims inside
+keep their own signatures; the coordinator deduplicates them by signature, so a resend after a lost
+acknowledgement changes nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 from pathlib import Path
 
 from gpuswarm.node.identity import write_private_file
-from gpuswarm.proto.models import ContributionClaim
+from gpuswarm.proto.models import RoundReport
 
 logger = logging.getLogger(__name__)
 
@@ -21,37 +23,23 @@ class Outbox:
     def __init__(self, directory: Path):
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._seq_file = directory / "next_seq"
-        # Never reuse a seq: take the larger of the counter and what is still queued, even if the counter is lost.
-        queued = [int(p.stem.removeprefix("claim-")) for p in directory.glob("claim-*.json")
-                  if p.stem.removeprefix("claim-").isdigit()]
-        try:
-            stored = int(self._seq_file.read_text())
-        except (OSError, ValueError):
-            stored = 0
-        self._next_seq = max([stored, *(q + 1 for q in queued)])
 
-    def next_seq(self) -> int:
-        seq = self._next_seq
-        self._next_seq += 1
-        write_private_file(self._seq_file, str(self._next_seq).encode())
-        return seq
+    def add(self, report: RoundReport) -> None:
+        write_private_file(self._path(report), report.model_dump_json().encode())
 
-    def add(self, claim: ContributionClaim) -> None:
-        write_private_file(self._path(claim), claim.model_dump_json().encode())
-
-    def pending(self) -> list[ContributionClaim]:
-        claims = []
-        for path in sorted(self.directory.glob("claim-*.json")):
+    def pending(self) -> list[RoundReport]:
+        """Every stored report, oldest round first."""
+        reports = []
+        for path in self.directory.glob("round-*.json"):
             try:
-                claims.append(ContributionClaim.model_validate(json.loads(path.read_text())))
+                reports.append(RoundReport.model_validate(json.loads(path.read_text())))
             except (OSError, ValueError) as e:
-                logger.error("dropping unreadable claim file %s: %s", path, e)
+                logger.error("dropping unreadable report file %s: %s", path, e)
                 path.unlink(missing_ok=True)
-        return claims
+        return sorted(reports, key=lambda r: (r.job_id, r.epoch))
 
-    def ack(self, claim: ContributionClaim) -> None:
-        self._path(claim).unlink(missing_ok=True)
+    def ack(self, report: RoundReport) -> None:
+        self._path(report).unlink(missing_ok=True)
 
-    def _path(self, claim: ContributionClaim) -> Path:
-        return self.directory / f"claim-{claim.seq:012d}.json"
+    def _path(self, report: RoundReport) -> Path:
+        return self.directory / f"round-{report.job_id}-{report.epoch:012d}.json"

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuswarm.node.identity import KEY_FILE
 from gpuswarm.node.worker import EVENT_PREFIX, PARENT_PID_ENV
 from gpuswarm.proto.models import Assignment, Progress
 
@@ -41,8 +42,11 @@ EventHandler = Callable[[RunningJob, dict], None]
 
 
 class JobRunner:
-    def __init__(self, jobs_dir: Path, host: str, on_event: EventHandler):
+    def __init__(self, jobs_dir: Path, host: str, on_event: EventHandler, key_path: Path | None = None):
         self.jobs_dir, self.host, self.on_event = jobs_dir, host, on_event
+        # The training process signs its round claims with the daemon's own key; jobs_dir is <state_dir>/jobs,
+        # and the identity file lives in <state_dir>.
+        self.key_path = key_path if key_path is not None else jobs_dir.parent / KEY_FILE
         self.running: dict[str, RunningJob] = {}
 
     async def start(self, assignment: Assignment) -> RunningJob:
@@ -54,7 +58,7 @@ class JobRunner:
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "gpuswarm.node.worker", str(spec_path), "--host", self.host,
-                "--workdir", str(workdir), stdout=asyncio.subprocess.PIPE, stderr=log,
+                "--workdir", str(workdir), "--key", str(self.key_path), stdout=asyncio.subprocess.PIPE, stderr=log,
                 # No preexec_fn: forking a threaded daemon and running Python before exec can deadlock the child
                 # while the parent's event loop waits for the exec. The worker sets its own parent-death signal.
                 env=os.environ | {PARENT_PID_ENV: str(os.getpid())},

@@ -5,7 +5,16 @@ stop rule, and saving the final model. It talks to its parent only through JSON 
 `EVENT_PREFIX`, so stray prints cannot be mistaken for events) and its exit code; it never talks to the
 coordinator, so training goes on while the coordinator is down. Crashes here cannot take the daemon down.
 
-Run as: python -m gpuswarm.node.worker ASSIGNMENT_JSON --host ADDRESS --workdir DIR
+Contribution accounting is peer-attested (`gpuswarm.node.attest`): in every gradient all-reduce round the node
+shares a claim signed with the daemon's key (`--key`, the daemon's identity file) through the averager's gather
+data, and emits one "round" event per round with the signed claims of its whole group, its own first. The daemon
+turns that into a RoundReport.
+
+Test-only fault injection: GPUSWARM_FAULT_INFLATE_CLAIMS=<factor> multiplies the samples and compute seconds in this
+node's OWN claims (those it shares and those it reports), to play a lying node in end-to-end tests of the ledger.
+Never set it in production; the worker logs a warning when it is set.
+
+Run as: python -m gpuswarm.node.worker ASSIGNMENT_JSON --host ADDRESS --workdir DIR --key IDENTITY_KEY
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -25,6 +35,7 @@ PARENT_PID_ENV = "GPUSWARM_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 RENDEZVOUS_TIMEOUT = 60.0
 MEMBER_RECORD_TTL = 24 * 3600.0
+FAULT_INFLATE_ENV = "GPUSWARM_FAULT_INFLATE_CLAIMS"
 logger = logging.getLogger("gpuswarm.worker")
 
 
@@ -33,22 +44,28 @@ def emit(event: str, **fields) -> None:
     sys.stdout.flush()
 
 
-class ContributionMeter:
-    """Counts what this node did since the last emitted contribution window."""
+def claim_inflation() -> float:
+    """The test-only fault injection factor (GPUSWARM_FAULT_INFLATE_CLAIMS); 1.0 when unset."""
+    raw = os.environ.get(FAULT_INFLATE_ENV, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = math.nan
+    if not (math.isfinite(factor) and factor > 0):
+        raise SystemExit(f"{FAULT_INFLATE_ENV} must be a positive number, not {raw!r}")
+    logger.warning("FAULT INJECTION (tests only): this node inflates its own claims by %g", factor)
+    return factor
 
-    def __init__(self) -> None:
-        self.window_start = time.time()
-        self.samples = self.steps = self.rounds = 0
-        self.compute_seconds = 0.0
 
-    def flush(self) -> None:
-        if self.samples == 0 and self.rounds == 0:
-            return
-        now = time.time()
-        emit("contribution", samples=self.samples, steps=self.steps, compute_seconds=round(self.compute_seconds, 4),
-             rounds_joined=self.rounds, window_start=self.window_start, window_end=now)
-        self.__init__()
-        self.window_start = now
+def load_identity(path: Path):
+    """The daemon's signing key. Only an existing key file is accepted: the training process never makes one."""
+    from gpuswarm.node.identity import KEY_FILE, load_or_create
+
+    if path.name != KEY_FILE or not path.is_file():
+        raise SystemExit(f"--key must name the node's existing {KEY_FILE}, not {path}")
+    return load_or_create(path.parent)
 
 
 def wait_for_members(dht, run_id: str, node_id: str, min_nodes: int, stop: threading.Event) -> None:
@@ -87,27 +104,36 @@ def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
                    optimizer.tracker.global_progress.num_peers, min_nodes)
 
 
-def run(assignment: dict, host: str, workdir: Path, stop: threading.Event) -> int:
+def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, key_path: Path) -> int:
     import hivemind
     import torch
+    from gpuswarm.node.attest import ClaimAttestor, RoundResult
     from gpuswarm.node.workloads import build_workload
     from gpuswarm.proto.dht import NodeAdvertValidator
     from gpuswarm.proto.models import Assignment
 
     torch.set_num_threads(int(os.environ.get("GPUSWARM_TORCH_THREADS", "1")))
     a = Assignment.model_validate(assignment)
+    identity = load_identity(key_path)
+    if identity.node_id != a.node_id:
+        raise SystemExit(f"the assignment is for node {a.node_id}, but {key_path} is node {identity.node_id}'s key")
+    inflate = claim_inflation()
     spec = a.spec
     workload = build_workload(spec.workload, spec.hyperparameters, a.shard_index, a.num_shards)
     hp = spec.hyperparameters
+
+    def report_round(result: RoundResult) -> None:
+        emit("round", job_id=a.job_id, epoch=result.epoch, solo=result.solo, claims=result.claims)
 
     dht = hivemind.DHT(
         initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
         record_validators=[NodeAdvertValidator()],
     )
-    optimizer = None
+    optimizer = attestor = None
     try:
         emit("ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
         wait_for_members(dht, a.run_id, a.node_id, spec.min_nodes, stop)
+        attestor = ClaimAttestor(identity.private_key, a.job_id, str(dht.peer_id), report_round, inflate=inflate)
         optimizer = hivemind.Optimizer(
             dht=dht, run_id=a.run_id, target_batch_size=workload.target_batch_size,
             batch_size_per_step=workload.batch_size, params=workload.model.parameters(),
@@ -115,14 +141,16 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event) -> in
             matchmaking_time=hp["matchmaking_time"], averaging_timeout=hp["averaging_timeout"],
             # A newcomer joining a run in progress takes the current weights and optimizer state from a peer.
             load_state_timeout=60.0, averager_opts={"request_timeout": 1.0}, verbose=False,
+            # Every gradient round carries this node's signed claim as gather data (see gpuswarm.node.attest).
+            grad_averager_factory=attestor.averager_factory,
         )
+        attestor.attach(lambda: optimizer.local_epoch)
         # The averager and DHT run in their own processes, already started. Lowering only this process's priority
         # keeps a CPU-bound training loop from starving the all-reduce rounds on a shared CPU (a 2-core host
         # running several nodes would otherwise miss every matchmaking deadline).
         os.nice(int(os.environ.get("GPUSWARM_TRAIN_NICE", "10")))
-        meter = ContributionMeter()
         last_epoch = optimizer.local_epoch
-        samples_total, started, last_flush = 0, time.time(), time.time()
+        samples_total, started = 0, time.time()
         for batch in workload.batches():
             if stop.is_set():
                 break
@@ -131,19 +159,20 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event) -> in
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"training loss is {loss.item()}; refusing to share non-finite gradients")
             loss.backward()
-            meter.compute_seconds += time.perf_counter() - t0
+            n = len(batch[1])
+            # Recorded before optimizer.step(): a round scheduled inside that step claims this batch, which
+            # hivemind has accumulated by then.
+            attestor.meter.record(n, time.perf_counter() - t0)
+            first_step = samples_total == 0
             optimizer.step()
             optimizer.zero_grad()
-            if meter.steps == 0 and samples_total == 0:
+            samples_total += n
+            attestor.poll()  # reports the round that just finished, or the epoch this node ended alone
+            if first_step:
                 # The tracker publishes a peer only once it has accumulated samples: one step first, then wait.
                 wait_for_tracker(optimizer, spec.min_nodes, stop)
-            n = len(batch[1])
-            meter.samples += n
-            meter.steps += 1
-            samples_total += n
 
             if optimizer.local_epoch != last_epoch:
-                meter.rounds += 1
                 last_epoch = optimizer.local_epoch
                 test_loss, accuracy = workload.evaluate()
                 epochs = last_epoch * workload.target_batch_size / workload.train_size
@@ -152,8 +181,6 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event) -> in
                      samples=samples_total, loss=round(test_loss, 5), accuracy=round(accuracy, 5),
                      samples_per_second=round(samples_total / elapsed, 2),
                      peers=optimizer.tracker.global_progress.num_peers)
-                meter.flush()
-                last_flush = time.time()
                 rule = spec.stop
                 if (rule.target_accuracy is not None and accuracy >= rule.target_accuracy) or (
                     rule.max_epochs is not None and epochs >= rule.max_epochs
@@ -163,14 +190,14 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event) -> in
                     workload.save(str(path), metadata)
                     emit("finished", path=str(path), accuracy=accuracy, epoch=round(epochs, 3))
                     return 0
-            elif time.time() - last_flush > 5.0:
-                meter.flush()
-                last_flush = time.time()
-        meter.flush()
         return 0
     finally:
         if optimizer is not None:
             optimizer.shutdown()
+        if attestor is not None and optimizer is not None:
+            # Rounds that finished while the optimizer shut down (it tags along with a running round) still count.
+            # Work since the last round was never averaged into the model, so it is not claimed.
+            attestor.finish()
         dht.shutdown()
 
 
@@ -192,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("assignment", type=Path)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--key", type=Path, required=True,
+                        help="the daemon's Ed25519 identity file (<state_dir>/identity.key); signs the claims")
     args = parser.parse_args(argv)
     die_with_parent()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
@@ -199,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     assignment = json.loads(args.assignment.read_text())
-    return run(assignment, args.host, args.workdir, stop)
+    return run(assignment, args.host, args.workdir, stop, args.key)
 
 
 if __name__ == "__main__":

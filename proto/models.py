@@ -23,6 +23,7 @@ NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Price = Annotated[float, Field(ge=0, le=1_000_000, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=2**53)]
 Multiaddr = Annotated[str, StringConstraints(min_length=4, max_length=512, pattern=r"^/")]
+Credits = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
 
 
 class WireModel(BaseModel):
@@ -130,6 +131,7 @@ class Requirements(WireModel):
     min_gpu_memory_gb: NonNegFloat = 0.0
     gpu_models: list[ShortText] = Field(default_factory=list, max_length=32)
     allow_cpu: bool = True
+    verified_only: bool = False  # only nodes that passed the GPU challenge
 
 
 class StopRule(WireModel):
@@ -155,7 +157,10 @@ class JobSpec(WireModel):
     min_nodes: Annotated[int, Field(ge=1, le=1024)] = 1
     max_nodes: Annotated[int, Field(ge=1, le=1024)] = 1
     requirements: Requirements = Field(default_factory=Requirements)
-    max_price_per_gpu_hour: Price | None = None
+    gpus_per_node: Annotated[int, Field(ge=1, le=64)] = 1  # a CPU node counts as one slot
+    max_price_per_gpu_hour: Price | None = None  # the bid: None takes any ask, and ranks below every priced bid
+    # Credits reserved from the owner's balance when the job starts; nodes are paid from it, the rest refunded.
+    budget: Credits = 0.0
 
     @field_validator("workload")
     @classmethod
@@ -240,6 +245,9 @@ class Heartbeat(WireModel):
     state: NodeState
     progress: list[Progress] = Field(default_factory=list, max_length=16)
     failures: list[AssignmentFailure] = Field(default_factory=list, max_length=16)
+    # Measured round-trip times to other nodes over the mesh: the matcher prefers close nodes for a job.
+    peer_rtt_ms: dict[NodeId, Annotated[float, Field(ge=0, le=600_000, allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=256)
 
 
 class AssignmentPoll(WireModel):
@@ -247,23 +255,44 @@ class AssignmentPoll(WireModel):
 
 
 class ContributionClaim(WireModel):
-    """What a node says it did for a job in one window. Signed; `seq` is unique per (job, node)."""
+    """What one node did for a job since its previous round, signed by that node (kind `CLAIM_KIND`).
+
+    The training process signs it when an all-reduce round is scheduled and shares it with the round's group
+    through the averager's gather metadata, so every member ends up holding the others' signed claims. (job, node,
+    epoch) identifies a claim: a node joins at most one round per hivemind epoch."""
 
     job_id: JobId
     node_id: NodeId
-    seq: Annotated[int, Field(ge=0, le=2**53)]
+    epoch: Count  # the hivemind epoch this round completes
     samples: Count
     steps: Count
     compute_seconds: Annotated[float, Field(ge=0, le=86_400 * 366, allow_inf_nan=False)]
-    rounds_joined: Count
     window_start: NonNegFloat
     window_end: NonNegFloat
+    peer_id: Annotated[str, StringConstraints(max_length=128)] = ""  # the hivemind peer id of the training process
 
     @model_validator(mode="after")
     def _window(self) -> ContributionClaim:
         if self.window_end < self.window_start:
             raise ValueError("window_end is before window_start")
         return self
+
+
+CLAIM_KIND = "claim"
+
+
+class RoundReport(WireModel):
+    """A node's report of one round: the signed claims of every member of its group, its own included.
+
+    `solo`: the round found no group (the node stepped alone), so `claims` holds only the node's own claim. The
+    coordinator credits a claim when another member of its round reported it too, or when it is solo and no
+    other node was in the job at the time."""
+
+    job_id: JobId
+    node_id: NodeId
+    epoch: Count
+    solo: bool = False
+    claims: list[dict[str, Any]] = Field(min_length=1, max_length=64)  # SignedEnvelopes of ContributionClaims
 
 
 class ArtifactMeta(WireModel):
@@ -278,6 +307,20 @@ class ArtifactMeta(WireModel):
     final: bool = False
     accuracy: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     epoch: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+
+
+class NewOwner(WireModel):
+    """Admin: create a job owner's account."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.@-]{1,64}$")]
+    credits: Credits = 0.0
+
+
+class CreditAdjustment(WireModel):
+    """Admin: grant (positive) or withdraw (negative) credits."""
+
+    amount: Annotated[float, Field(ge=-1e12, le=1e12, allow_inf_nan=False)]
+    memo: Annotated[str, StringConstraints(max_length=256)] = ""
 
 
 class RegistrationResponse(WireModel):

@@ -27,6 +27,8 @@ from localswarm import LocalSwarm  # noqa: E402
 from meshswarm import MeshSwarm  # noqa: E402
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
+PRICES = [0.5, 0.6, 0.7]  # the nodes' asks, credits per GPU-hour (a CPU node counts as one GPU)
+BUDGET = 5.0
 
 
 def main() -> int:
@@ -59,17 +61,18 @@ def main() -> int:
                               "UNENCRYPTED[/yellow]")
             swarm.start_coordinator()
             console.print(f"coordinator up at {swarm.url}")
-            for i in indices:
-                swarm.start_node(i)
+            for k, i in enumerate(indices):
+                swarm.start_node(i, price=PRICES[k % len(PRICES)])
             nodes = swarm.wait_for_nodes(args.nodes)
             console.print(f"{len(nodes)} nodes registered: " + ", ".join(
                 n["id"] + (f" (mesh {n['mesh_address']})" if n.get("mesh_address") else "") for n in nodes))
 
             spec = {"name": "demo-digits", "workload": "digits-mlp", "min_nodes": 2, "max_nodes": args.nodes,
+                    "max_price_per_gpu_hour": 1.0, "budget": BUDGET,
                     "stop": {"target_accuracy": args.target_accuracy, "max_epochs": 60}}
             job = swarm.client.submit_job(spec)
             console.print(f"submitted job [bold]{job['id']}[/bold]: digits-mlp, target test accuracy "
-                          f"{args.target_accuracy}, 2-{args.nodes} nodes")
+                          f"{args.target_accuracy}, 2-{args.nodes} nodes, bid 1.0/GPU-hour, budget {BUDGET}")
             job = follow(swarm, job["id"], args.timeout)
             if job["state"] != "completed":
                 console.print(f"[red]job ended {job['state']}[/red]: {job['error'] or ''}")
@@ -129,8 +132,7 @@ def report(swarm, job: dict, directory: Path, started: float) -> int:
     evaluated = json.loads(subprocess.run(
         [sys.executable, "-m", "gpuswarm.cli", "node", "evaluate", str(model), "--json"],
         check=True, capture_output=True, text=True).stdout)
-    time.sleep(2 * 2.0)  # let the nodes' last claims (sent each heartbeat) reach the ledger
-    ledger = swarm.client.job(job["id"])["contributions"]
+    statement = settled_statement(swarm, job["id"])
 
     console.print()
     console.print(f"[bold green]job {job['id']} completed[/bold green] after "
@@ -138,14 +140,30 @@ def report(swarm, job: dict, directory: Path, started: float) -> int:
     console.print(f"final test accuracy (reported by the swarm): {job['final_accuracy']:.4f}")
     console.print(f"final test accuracy (re-measured on the downloaded model): {evaluated['accuracy']:.4f}")
     console.print(f"model saved to {model}")
-    table = Table("node", "samples", "steps", "compute s", "rounds", "claims", title="Contributions (ledger)")
+    ledger = statement["nodes"]
+    table = Table("node", "claims", "samples claimed", "samples credited", "compute s", "paid", "flagged",
+                  title="Contributions (peer-attested ledger)")
     for row in ledger:
-        table.add_row(row["node_id"], str(row["samples"]), str(row["steps"]), f"{row['compute_seconds']:.2f}",
-                      str(row["rounds_joined"]), str(row["claims"]))
+        table.add_row(row["node_id"], str(row["claims"]), str(row["claimed_samples"]), str(row["samples"]),
+                      f"{row['compute_seconds']:.2f}", f"{row['paid']:.6f}", str(row["flagged"]))
     console.print(table)
+    console.print(f"budget {statement['budget']}: reserved {statement['reserved']:.6f}, paid to nodes "
+                  f"{statement['paid']:.6f}, refunded {statement['refunded']:.6f}"
+                  + ("" if statement["settled"] else " (not settled yet)"))
     console.print(f"wall time: {time.monotonic() - started:.0f}s")
     ok = evaluated["accuracy"] >= 0.95 and len(ledger) >= 3 and all(r["samples"] > 0 for r in ledger)
     return 0 if ok else 1
+
+
+def settled_statement(swarm, job_id: str, timeout: float = 60.0) -> dict:
+    """The job's statement once its books are closed (the nodes' last round reports arrive a heartbeat or two
+    after the end; the coordinator settles after its grace period)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        statement = swarm.client.job_statement(job_id)
+        if statement["settled"] or time.monotonic() > deadline:
+            return statement
+        time.sleep(1.0)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,12 @@ def free_port() -> int:
 
 
 class LocalSwarm:
-    def __init__(self, root: Path, *, python: str = sys.executable, node_timeout: float = 10.0):
+    def __init__(self, root: Path, *, python: str = sys.executable, node_timeout: float = 10.0,
+                 settle_grace: float = 10.0):
         self.root = root
         self.python = python
         self.node_timeout = node_timeout
+        self.settle_grace = settle_grace
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = CoordinatorClient(self.url)
@@ -38,8 +40,8 @@ class LocalSwarm:
         self.coordinator: subprocess.Popen | None = None
         self.nodes: dict[int, subprocess.Popen] = {}
 
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
-        env = os.environ | {"GPUSWARM_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    def _spawn(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        env = os.environ | {"GPUSWARM_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"} | (env or {})
         with open(self.logs / f"{name}.log", "ab") as log:
             return subprocess.Popen([self.python, "-m", "gpuswarm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
@@ -47,17 +49,26 @@ class LocalSwarm:
     def start_coordinator(self, timeout: float = 60.0) -> None:
         self.coordinator = self._spawn("coordinator", "coordinator", "serve", "--port", str(self.port),
                                        "--data-dir", str(self.root / "coordinator"),
-                                       "--node-timeout", str(self.node_timeout))
+                                       "--node-timeout", str(self.node_timeout),
+                                       "--settle-grace", str(self.settle_grace))
         self.wait(lambda: self._healthy(), timeout, "the coordinator to answer", self.coordinator)
+        self.admin = CoordinatorClient(self.url, token=(self.root / "coordinator" / "admin.token").read_text().strip())
+        self.client = self.new_owner("swarm-owner")
+
+    def new_owner(self, name: str, credits: float = 1000.0) -> CoordinatorClient:
+        """A job owner's account (through the admin API) and a client that acts as that owner."""
+        owner = self.admin.create_owner(name, credits)
+        return CoordinatorClient(self.url, token=owner["token"])
 
     def _healthy(self) -> bool:
         with contextlib.suppress(ApiClientError):
             return bool(self.client.health()["ok"])
         return False
 
-    def start_node(self, index: int) -> subprocess.Popen:
+    def start_node(self, index: int, price: float = 0.0, *extra: str, env: dict | None = None) -> subprocess.Popen:
         self.nodes[index] = self._spawn(f"node-{index}", "node", "start", "--coordinator", self.url,
-                                        "--state-dir", str(self.root / f"node-{index}"), "--cpu", "--no-mesh")
+                                        "--state-dir", str(self.root / f"node-{index}"), "--cpu", "--no-mesh",
+                                        "--price", str(price), *extra, env=env)
         return self.nodes[index]
 
     def node_id(self, index: int) -> str:

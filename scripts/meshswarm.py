@@ -35,12 +35,16 @@ class MeshSwarm:
         a0 = self.lab.addresses[0]
         self.procs[0] = self._spawn(0, "coordinator", "coordinator", "serve", "--host", a0, "--port", str(PORT),
                                     "--data-dir", str(self.root / "coordinator"), "--dht-host", a0,
-                                    "--node-timeout", "6")
+                                    "--node-timeout", "6", "--settle-grace", "10")
         wait_for(lambda: self.cli(0, "nodes", check=False) is not None, 60, "the coordinator")
+        owner = self.lab.exec(0, [sys.executable, "-m", "gpuswarm.cli", "coordinator", "create-owner", "mesh-owner",
+                                  "--credits", "1000", "--data-dir", str(self.root / "coordinator"), "--json"],
+                              check=True, timeout=60)
+        self.token = json.loads(owner.stdout)["token"]
 
-    def start_node(self, i: int) -> None:
+    def start_node(self, i: int, price: float = 0.0) -> None:
         self.procs[i] = self._spawn(i, f"node-{i}", "node", "start", "-c", self.url, "--state-dir",
-                                    str(self.state_dir(i)), "--cpu", "--listen-port", "51820")
+                                    str(self.state_dir(i)), "--cpu", "--listen-port", "51820", "--price", str(price))
 
     def stop(self, i: int) -> None:
         proc = self.procs.pop(i)
@@ -126,16 +130,19 @@ class CliClient:
     def submit_job(self, spec: dict) -> dict:
         path = self.swarm.root / "job.toml"
         path.write_text(to_toml(spec))
-        return self.swarm.cli(0, "job", "submit", str(path))
+        return self.swarm.cli(0, "job", "submit", str(path), "--token", self.swarm.token)
 
     def job(self, job_id: str) -> dict:
-        return self.swarm.cli(0, "job", "status", job_id)
+        return self.swarm.cli(0, "job", "status", job_id, "--token", self.swarm.token)
+
+    def job_statement(self, job_id: str) -> dict:
+        return self.swarm.cli(0, "job", "statement", job_id, "--token", self.swarm.token)
 
     def nodes(self) -> list[dict]:
         return self.swarm.cli(0, "nodes")
 
     def download_artifact(self, job_id: str, name: str, dest: Path) -> str:
-        return self.swarm.cli(0, "job", "download", job_id, "-o", str(dest))["sha256"]
+        return self.swarm.cli(0, "job", "download", job_id, "-o", str(dest), "--token", self.swarm.token)["sha256"]
 
 
 def to_toml(spec: dict) -> str:

@@ -18,10 +18,11 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gpuswarm.coordinator.app import create_app
-from gpuswarm.coordinator.config import CONFIG, SESSIONS, CoordinatorConfig
+from gpuswarm.coordinator.config import ADMIN_TOKEN, CONFIG, SESSIONS, CoordinatorConfig
 from gpuswarm.coordinator.db import Base
 from gpuswarm.node.identity import Identity
 from gpuswarm.proto import signing
+from gpuswarm.proto.models import CLAIM_KIND
 from sqlalchemy import select
 
 ENVELOPE_HEADER = "X-Gpuswarm-Envelope"
@@ -38,10 +39,31 @@ def data_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-async def client(data_dir: Path):
-    app = create_app(CoordinatorConfig(data_dir=data_dir, start_dht=False, loop_interval=0.2))
-    async with TestServer(app) as server, TestClient(server) as client:
-        yield client
+async def client(data_dir: Path, database_url: str | None):
+    app = create_app(CoordinatorConfig(data_dir=data_dir, database_url=database_url, start_dht=False,
+                                       loop_interval=0.2))
+    async with TestServer(app) as server:
+        token = await new_owner_token(server, app)
+        async with TestClient(server, headers={"Authorization": f"Bearer {token}"}) as client:
+            yield client
+
+
+class SharedServerClient(TestClient):
+    """A TestClient that leaves the server running when it closes, so several callers can share one app."""
+
+    async def close(self) -> None:
+        if not self._closed:
+            await self._session.close()
+            self._closed = True
+
+
+async def new_owner_token(server: TestServer, app: web.Application, name: str = "owner",
+                          credits: float = 1000.0) -> str:
+    """A job owner's API token, made through the admin API."""
+    async with SharedServerClient(server, headers={"Authorization": f"Bearer {app[ADMIN_TOKEN]}"}) as admin:
+        response = await admin.post("/v1/owners", json={"name": name, "credits": credits})
+        assert response.status == 201, await response.text()
+        return (await response.json())["token"]
 
 
 def new_identity() -> Identity:
@@ -107,11 +129,17 @@ def job_spec(**overrides) -> dict:
     return spec | overrides
 
 
-def claim(identity: Identity, job_id: str, seq: int = 0, **overrides) -> dict:
+def claim(identity: Identity, job_id: str, epoch: int = 0, **overrides) -> dict:
+    """A signed claim (the envelope a training process shares in its round)."""
     now = time.time()
-    payload = {"job_id": job_id, "node_id": identity.node_id, "seq": seq, "samples": 640, "steps": 20,
-               "compute_seconds": 12.5, "rounds_joined": 3, "window_start": now - 30, "window_end": now - 1}
-    return payload | overrides
+    payload = {"job_id": job_id, "node_id": identity.node_id, "epoch": epoch, "samples": 640, "steps": 20,
+               "compute_seconds": 12.5, "window_start": now - 30, "window_end": now - 1}
+    return signed(identity, CLAIM_KIND, payload | overrides)
+
+
+def round_report(identity: Identity, job_id: str, claims: list[dict], epoch: int = 0, solo: bool = False) -> dict:
+    return signed(identity, "round_report", {"job_id": job_id, "node_id": identity.node_id, "epoch": epoch,
+                                             "solo": solo, "claims": claims})
 
 
 def artifact_request(identity: Identity, job_id: str, data: bytes, name: str = "model.pt", **overrides) -> dict:
@@ -239,20 +267,21 @@ async def test_final_artifact_completes_the_job_and_downloads_byte_for_byte(clie
                    **artifact_request(node, job_id, b"another", final=True, accuracy=0.5))
 
 
-async def test_ledger_sums_accepted_claims(client: TestClient, assigned):
+async def test_solo_claims_of_a_lone_member_are_credited(client: TestClient, assigned):
     node, job_id = assigned
-    for seq, samples in ((0, 640), (1, 360)):
-        response = await client.post("/v1/contributions",
-                                     json=signed(node, "contribution", claim(node, job_id, seq, samples=samples)))
+    for epoch, samples in ((0, 200), (1, 150)):
+        response = await client.post("/v1/rounds", json=round_report(
+            node, job_id, [claim(node, job_id, epoch, samples=samples)], epoch=epoch, solo=True))
         assert response.status == 201, await response.text()
-        assert (await response.json()) == {"ok": True, "seq": seq}
+        assert (await response.json())["claims"][0]["status"] == "credited"
 
     response = await client.get(f"/v1/jobs/{job_id}/contributions")
     assert response.status == 200
     body = await response.json()
     assert body["job_id"] == job_id
-    assert body["contributions"] == [{"node_id": node.node_id, "samples": 1000, "steps": 40,
-                                      "compute_seconds": 25.0, "rounds_joined": 6, "claims": 2}]
+    [row] = body["contributions"]
+    assert (row["node_id"], row["claims"], row["claimed_samples"], row["samples"], row["pending"]) == \
+        (node.node_id, 2, 350, 350, 0)
     detail = await (await client.get(f"/v1/jobs/{job_id}")).json()
     assert detail["contributions"] == body["contributions"]
 
@@ -261,7 +290,7 @@ async def test_ledger_sums_accepted_claims(client: TestClient, assigned):
 
 
 @pytest.mark.parametrize("path", ["/v1/jobs", "/v1/nodes/register", "/v1/nodes/heartbeat",
-                                  "/v1/nodes/assignments", "/v1/contributions"])
+                                  "/v1/nodes/assignments", "/v1/rounds"])
 @pytest.mark.parametrize("body", [b'{"workload": "digits-mlp",', b"", b"not json", b"\xff\xfe\x00{}",
                                   b'{"workload": "digits-mlp"} trailing'])
 async def test_malformed_json_is_400(client: TestClient, path: str, body: bytes):
@@ -341,7 +370,7 @@ async def test_nan_timestamp_in_an_envelope_is_refused(client: TestClient):
                    headers={"Content-Type": "application/json"})
 
 
-@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/nodes/register", "/v1/nodes/heartbeat", "/v1/contributions"])
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/nodes/register", "/v1/nodes/heartbeat", "/v1/rounds"])
 async def test_oversized_json_body_is_413(client: TestClient, path: str):
     limit = client.app[CONFIG].max_json_bytes
     body = json.dumps(job_spec(name="", padding="x" * limit)).encode()
@@ -525,12 +554,12 @@ async def test_replayed_registration_is_409(client: TestClient):
     await rejected(client, "POST", "/v1/nodes/register", 409, "replay", json=envelope)
 
 
-async def test_replayed_contribution_is_409(client: TestClient, assigned):
+async def test_replayed_round_report_is_409(client: TestClient, assigned):
     node, job_id = assigned
-    envelope = signed(node, "contribution", claim(node, job_id))
-    first = await client.post("/v1/contributions", json=envelope)
+    envelope = round_report(node, job_id, [claim(node, job_id)], solo=True)
+    first = await client.post("/v1/rounds", json=envelope)
     assert first.status == 201, await first.text()
-    await rejected(client, "POST", "/v1/contributions", 409, "replay", json=envelope)
+    await rejected(client, "POST", "/v1/rounds", 409, "replay", json=envelope)
 
 
 async def test_replayed_artifact_upload_is_409(client: TestClient, assigned):
@@ -572,52 +601,83 @@ async def test_unregistered_node_is_404(client: TestClient, kind: str, path: str
     await rejected(client, "POST", path, 404, "unknown_node", json=envelope)
 
 
-async def test_contribution_from_an_unregistered_node_is_404(client: TestClient, assigned):
+async def test_round_report_from_an_unregistered_node_is_404(client: TestClient, assigned):
     _, job_id = assigned
     stranger = new_identity()
-    await rejected(client, "POST", "/v1/contributions", 404, "unknown_node",
-                   json=signed(stranger, "contribution", claim(stranger, job_id)))
+    await rejected(client, "POST", "/v1/rounds", 404, "unknown_node",
+                   json=round_report(stranger, job_id, [claim(stranger, job_id)], solo=True))
 
 
-# ---------------------------------------------------------------------------------------------------- contributions
+# ---------------------------------------------------------------------------------------------------- round reports
 
 
-async def test_contribution_from_a_node_never_assigned_is_403(client: TestClient, assigned):
+async def test_round_report_from_a_node_never_assigned_is_403(client: TestClient, assigned):
     _, job_id = assigned
     outsider = await register(client)
-    await rejected(client, "POST", "/v1/contributions", 403, "not_a_member",
-                   json=signed(outsider, "contribution", claim(outsider, job_id)))
+    await rejected(client, "POST", "/v1/rounds", 403, "not_a_member",
+                   json=round_report(outsider, job_id, [claim(outsider, job_id)], solo=True))
 
 
-async def test_duplicate_claim_seq_is_409_and_not_counted(client: TestClient, assigned):
-    node, job_id = assigned
-    first = await client.post("/v1/contributions", json=signed(node, "contribution", claim(node, job_id, seq=7)))
-    assert first.status == 201, await first.text()
-    # A fresh envelope (new nonce) with the same seq: not a replay, but a duplicate claim.
-    await rejected(client, "POST", "/v1/contributions", 409, "duplicate_claim",
-                   json=signed(node, "contribution", claim(node, job_id, seq=7, samples=99_999)))
-    ledger = (await (await client.get(f"/v1/jobs/{job_id}/contributions")).json())["contributions"]
-    assert [(c["samples"], c["claims"]) for c in ledger] == [(640, 1)]
-
-
-async def test_contribution_for_an_unknown_job_is_404(client: TestClient, assigned):
+async def test_round_report_for_an_unknown_job_is_404(client: TestClient, assigned):
     node, _ = assigned
-    await rejected(client, "POST", "/v1/contributions", 404, "unknown_job",
-                   json=signed(node, "contribution", claim(node, UNKNOWN_JOB)))
+    await rejected(client, "POST", "/v1/rounds", 404, "unknown_job",
+                   json=round_report(node, UNKNOWN_JOB, [claim(node, UNKNOWN_JOB)], solo=True))
 
 
-async def test_contribution_window_in_the_future_is_422(client: TestClient, assigned):
+async def test_claim_window_in_the_future_is_422(client: TestClient, assigned):
     node, job_id = assigned
     now = time.time()
-    await rejected(client, "POST", "/v1/contributions", 422, "bad_claim",
-                   json=signed(node, "contribution", claim(node, job_id, window_start=now, window_end=now + 3600)))
+    await rejected(client, "POST", "/v1/rounds", 422, "bad_claim", json=round_report(
+        node, job_id, [claim(node, job_id, window_start=now, window_end=now + 3600)], solo=True))
 
 
-async def test_contribution_window_backwards_is_422(client: TestClient, assigned):
+async def test_claim_window_backwards_is_422(client: TestClient, assigned):
     node, job_id = assigned
     now = time.time()
-    await rejected(client, "POST", "/v1/contributions", 422, "invalid",
-                   json=signed(node, "contribution", claim(node, job_id, window_start=now - 1, window_end=now - 10)))
+    await rejected(client, "POST", "/v1/rounds", 422, "invalid", json=round_report(
+        node, job_id, [claim(node, job_id, window_start=now - 1, window_end=now - 10)], solo=True))
+
+
+async def test_forged_claim_in_a_report_is_422(client: TestClient, assigned):
+    node, job_id = assigned
+    forged = claim(node, job_id)
+    forged["payload"]["samples"] = 10**9  # changed after signing
+    await rejected(client, "POST", "/v1/rounds", 422, "bad_claim", json=round_report(node, job_id, [forged]))
+
+
+async def test_claim_signed_by_someone_else_is_422(client: TestClient, assigned):
+    node, job_id = assigned
+    impostor = new_identity()
+    stolen = signed(impostor, CLAIM_KIND, claim(node, job_id)["payload"])  # names `node`, signed by another key
+    await rejected(client, "POST", "/v1/rounds", 422, "bad_claim",
+                   json=round_report(node, job_id, [claim(node, job_id), stolen]))
+
+
+async def test_report_without_the_reporters_own_claim_is_422(client: TestClient, assigned):
+    node, job_id = assigned
+    other = await register(client)
+    await rejected(client, "POST", "/v1/rounds", 422, "bad_claim",
+                   json=round_report(node, job_id, [claim(other, job_id)]))
+
+
+async def test_solo_report_with_several_claims_is_422(client: TestClient, assigned):
+    node, job_id = assigned
+    other = await register(client)
+    await rejected(client, "POST", "/v1/rounds", 422, "bad_claim",
+                   json=round_report(node, job_id, [claim(node, job_id), claim(other, job_id)], solo=True))
+
+
+@pytest.mark.parametrize("bad", [{"not": "an envelope"}, {"kind": "claim"}, {}])
+async def test_malformed_claim_envelope_is_422(client: TestClient, assigned, bad: dict):
+    node, job_id = assigned
+    await rejected(client, "POST", "/v1/rounds", 422, "invalid",
+                   json=round_report(node, job_id, [claim(node, job_id), bad]))
+
+
+async def test_claim_of_another_kind_is_422(client: TestClient, assigned):
+    node, job_id = assigned
+    wrong_kind = signed(node, "heartbeat", claim(node, job_id)["payload"])
+    await rejected(client, "POST", "/v1/rounds", 422, "bad_claim", json=round_report(node, job_id, [wrong_kind]))
 
 
 # ---------------------------------------------------------------------------------------------------- artifacts
@@ -784,3 +844,19 @@ async def test_artifact_named_dot_or_dot_dot_is_a_4xx(client: TestClient, assign
     await error_of(response, 422, "invalid")
     assert await snapshot(client.app) == before
     assert _files_under(data_dir / "artifacts") == []
+
+
+async def test_concurrent_heartbeats_share_a_batch_but_each_gets_its_own_answer(client: TestClient):
+    """Heartbeats that arrive together are written in one transaction; a replay or an unknown node in the batch
+    is refused alone, and the others still land."""
+    nodes = [await register(client) for _ in range(5)]
+    stranger = new_identity()
+    replayed = signed(nodes[0], "heartbeat", {"node_id": nodes[0].node_id, "state": "training"})
+    bodies = [replayed, replayed, signed(stranger, "heartbeat", {"node_id": stranger.node_id, "state": "idle"})]
+    bodies += [signed(n, "heartbeat", {"node_id": n.node_id, "state": "training"}) for n in nodes[1:] * 4]
+    responses = await asyncio.gather(*(client.post("/v1/nodes/heartbeat", json=b) for b in bodies))
+    statuses = [r.status for r in responses]
+    assert sorted(statuses[:2]) == [200, 409] and statuses[2] == 404 and set(statuses[3:]) == {200}, statuses
+    assert {(await r.json())["error"]["code"] for r in responses if r.status >= 400} == {"replay", "unknown_node"}
+    listed = {n["id"]: n for n in (await (await client.get("/v1/nodes")).json())["nodes"]}
+    assert {listed[n.node_id]["state"] for n in nodes} == {"training"}

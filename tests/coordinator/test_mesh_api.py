@@ -19,9 +19,9 @@ CIDR = "10.77.0.0/16"
 
 
 @pytest.fixture
-async def client(tmp_path):
-    app = create_app(CoordinatorConfig(data_dir=tmp_path / "coordinator", start_dht=False, loop_interval=0.2,
-                                       mesh_poll_timeout=5.0))
+async def client(tmp_path, database_url):
+    app = create_app(CoordinatorConfig(data_dir=tmp_path / "coordinator", database_url=database_url,
+                                       start_dht=False, loop_interval=0.2, mesh_poll_timeout=5.0))
     async with TestServer(app) as server, TestClient(server) as client:
         yield client
 

@@ -15,8 +15,9 @@ from localswarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 TARGET = 0.95
-SPEC = {"name": "it-digits", "workload": "digits-mlp", "min_nodes": 2, "max_nodes": 3,
+SPEC = {"name": "it-digits", "workload": "digits-mlp", "min_nodes": 2, "max_nodes": 3, "budget": 5.0,
         "stop": {"target_accuracy": TARGET, "max_epochs": 60}}
+PRICES = [0.5, 0.6, 0.7]  # the nodes' asks, per GPU-hour
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def swarm(tmp_path, artifacts_dir, request):
     try:
         lab.start_coordinator()
         for i in range(3):
-            lab.start_node(i)
+            lab.start_node(i, price=PRICES[i])
         lab.wait_for_nodes(3)
         yield lab
     finally:
@@ -35,10 +36,12 @@ def swarm(tmp_path, artifacts_dir, request):
             shutil.copytree(lab.logs, artifacts_dir / request.node.name, dirs_exist_ok=True)
 
 
-def wait_for_job(lab: LocalSwarm, job_id: str, timeout: float = 420.0) -> dict:
+def wait_for_job(lab: LocalSwarm, job_id: str, timeout: float = 420.0, client=None) -> dict:
+    """The job once it has ended, read as its owner (`client`, default the lab's owner)."""
+    client = client or lab.client
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        job = lab.client.job(job_id)
+        job = client.job(job_id)
         if job["state"] in ("completed", "failed", "cancelled"):
             return job
         time.sleep(1.0)
@@ -46,12 +49,14 @@ def wait_for_job(lab: LocalSwarm, job_id: str, timeout: float = 420.0) -> dict:
                          + "\n".join(lab.log_tail(f"node-{i}", 15) for i in range(3)))
 
 
-def wait_for_ledger(lab: LocalSwarm, job_id: str, node_ids: set[str], timeout: float = 30.0) -> dict[str, dict]:
-    """The nodes send their last claims a heartbeat or two after the job ends; wait until every node has one."""
+def wait_for_ledger(lab: LocalSwarm, job_id: str, node_ids: set[str], timeout: float = 60.0) -> dict[str, dict]:
+    """The job's books once they are closed (nodes send their last round reports a heartbeat or two after the end;
+    the coordinator settles after its grace period), by node."""
     deadline = time.monotonic() + timeout
     while True:
-        rows = {r["node_id"]: r for r in lab.client.job(job_id)["contributions"]}
-        if node_ids <= rows.keys() or time.monotonic() > deadline:
+        statement = lab.client.job_statement(job_id)
+        rows = {r["node_id"]: r for r in statement["nodes"]}
+        if (statement["settled"] and node_ids <= rows.keys()) or time.monotonic() > deadline:
             return rows
         time.sleep(1.0)
 
@@ -61,13 +66,16 @@ def test_three_nodes_train_to_target_and_share_the_credit(swarm, tmp_path):
     done = wait_for_job(swarm, job["id"])
     assert done["state"] == "completed", done
     assert done["final_accuracy"] >= TARGET
+    # The coordinator read hivemind's own progress records from the DHT (the ledger cross-checks epochs with them).
+    assert done["dht_epoch"] is not None and done["dht_epoch"] >= 1, done
 
     node_ids = {swarm.node_id(i) for i in range(3)}
     assert {a["node_id"] for a in done["assignments"]} == node_ids
     ledger = wait_for_ledger(swarm, job["id"], node_ids)
     assert ledger.keys() == node_ids
-    for row in ledger.values():
-        assert row["samples"] > 0 and row["steps"] > 0 and row["compute_seconds"] > 0, row
+    for row in ledger.values():  # every node's work was attested by its round's peers and paid
+        assert row["samples"] > 0 and row["steps"] > 0 and row["compute_seconds"] > 0 and row["paid"] > 0, row
+        assert row["flagged"] == 0, row
 
     model = tmp_path / "model.pt"
     swarm.client.download_artifact(job["id"], "model.pt", model)

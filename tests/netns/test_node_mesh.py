@@ -47,9 +47,9 @@ def test_mesh_forms_and_every_pair_pings(mesh_swarm):
 
 def test_hivemind_trains_over_mesh_addresses(mesh_swarm):
     s = mesh_swarm
-    job = s.cli(0, "job", "submit", "--workload", "digits-mlp", "--target-accuracy", "0.9", "--min-nodes", "2",
-                "--max-nodes", "3")
-    done = wait_for(lambda: (j := s.cli(0, "job", "status", job["id"]))["state"] in ("completed", "failed") and j,
+    job = s.client.submit_job({"workload": "digits-mlp", "min_nodes": 2, "max_nodes": 3,
+                               "stop": {"target_accuracy": 0.9, "max_epochs": 60}})
+    done = wait_for(lambda: (j := s.client.job(job["id"]))["state"] in ("completed", "failed") and j,
                     420, "the job to finish", interval=2.0)
     assert done["state"] == "completed", done["events"]
     assert done["final_accuracy"] >= 0.9

@@ -7,10 +7,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import BestAvailableEncryption, Encoding, NoEncryption, PrivateFormat
 from gpuswarm.node.identity import KEY_FILE, IdentityError, load_or_create
 from gpuswarm.node.outbox import Outbox
-from gpuswarm.proto.models import ContributionClaim
+from gpuswarm.proto import signing
+from gpuswarm.proto.models import CLAIM_KIND, ContributionClaim, RoundReport
 from gpuswarm.proto.signing import node_id_for, verify_signer
 
 JOB = "j-0123456789ab"
+KEY = Ed25519PrivateKey.generate()
+NODE = node_id_for(signing.public_key_b64(KEY.public_key()))
 
 
 def mode(path) -> int:
@@ -78,39 +81,33 @@ def test_key_is_private_even_over_a_leftover_temp_file(tmp_path):
     assert mode(tmp_path / KEY_FILE) == 0o600
 
 
-def claim(seq: int, samples: int = 10) -> ContributionClaim:
-    return ContributionClaim(job_id=JOB, node_id="0123456789abcdef", seq=seq, samples=samples, steps=1,
-                             compute_seconds=2.0, rounds_joined=1, window_start=1.0, window_end=2.0)
+def report(epoch: int, samples: int = 10) -> RoundReport:
+    claim = ContributionClaim(job_id=JOB, node_id=NODE, epoch=epoch, samples=samples, steps=1, compute_seconds=2.0,
+                              window_start=1.0, window_end=2.0)
+    envelope = signing.sign(KEY, CLAIM_KIND, claim.model_dump(mode="json")).model_dump(mode="json")
+    return RoundReport(job_id=JOB, node_id=NODE, epoch=epoch, solo=True, claims=[envelope])
 
 
 def test_outbox_add_pending_ack(tmp_path):
     box = Outbox(tmp_path / "outbox")
     assert box.pending() == []
-    claims = [claim(box.next_seq(), samples=i) for i in range(3)]
-    for c in reversed(claims):
-        box.add(c)
-    assert box.pending() == claims  # in seq order, unchanged by the round trip
-    box.ack(claims[1])
-    assert box.pending() == [claims[0], claims[2]]
-    box.ack(claims[1])  # a second ack (resend acknowledged twice) is harmless
-    assert Outbox(tmp_path / "outbox").pending() == [claims[0], claims[2]]  # survives a restart
-    assert all(mode(p) == 0o600 for p in (tmp_path / "outbox").glob("claim-*.json"))
-
-
-def test_outbox_seq_is_never_reused_after_restart(tmp_path):
-    first = Outbox(tmp_path)
-    assert [first.next_seq() for _ in range(3)] == [0, 1, 2]
-    second = Outbox(tmp_path)
-    assert second.next_seq() == 3
-    assert Outbox(tmp_path).next_seq() == 4
+    reports = [report(epoch, samples=epoch + 1) for epoch in (3, 10, 200)]
+    for r in reversed(reports):
+        box.add(r)
+    assert box.pending() == reports  # in epoch order, unchanged by the round trip
+    box.ack(reports[1])
+    assert box.pending() == [reports[0], reports[2]]
+    box.ack(reports[1])  # a second ack (resend acknowledged twice) is harmless
+    assert Outbox(tmp_path / "outbox").pending() == [reports[0], reports[2]]  # survives a restart
+    assert all(mode(p) == 0o600 for p in (tmp_path / "outbox").glob("round-*.json"))
 
 
 @pytest.mark.parametrize("corrupt", [b"{not json", b"\xff\xfe\x00", b'{"job_id": "j-0123456789ab"}', b"[]"])
 def test_corrupt_claim_file_is_dropped(tmp_path, corrupt):
     box = Outbox(tmp_path)
-    good = claim(box.next_seq())
+    good = report(1)
     box.add(good)
-    bad = tmp_path / "claim-000000000999.json"
+    bad = tmp_path / f"round-{JOB}-000000000999.json"
     bad.write_bytes(corrupt)
     assert box.pending() == [good]
     assert not bad.exists()

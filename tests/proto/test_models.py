@@ -1,5 +1,13 @@
 import pytest
-from gpuswarm.proto.models import ContributionClaim, GPUInfo, JobSpec, Requirements, Resources, StopRule
+from gpuswarm.proto.models import (
+    ContributionClaim,
+    GPUInfo,
+    JobSpec,
+    Requirements,
+    Resources,
+    RoundReport,
+    StopRule,
+)
 from gpuswarm.proto.workloads import DigitsMLPParams, validate_hyperparameters
 from pydantic import ValidationError
 
@@ -12,7 +20,7 @@ def spec(**kw) -> JobSpec:
 
 
 def claim(**kw) -> ContributionClaim:
-    base = dict(job_id=JOB, node_id=NODE, seq=0, samples=10, steps=1, compute_seconds=1.5, rounds_joined=1,
+    base = dict(job_id=JOB, node_id=NODE, epoch=0, samples=10, steps=1, compute_seconds=1.5,
                 window_start=100.0, window_end=200.0)
     return ContributionClaim.model_validate(base | kw)
 
@@ -94,7 +102,7 @@ def test_claim_rejects_window_end_before_start():
 
 
 @pytest.mark.parametrize("kw", [
-    {"samples": -1}, {"steps": -1}, {"seq": -1}, {"compute_seconds": -0.1}, {"compute_seconds": float("nan")},
+    {"samples": -1}, {"steps": -1}, {"epoch": -1}, {"compute_seconds": -0.1}, {"compute_seconds": float("nan")},
     {"window_start": float("inf"), "window_end": float("inf")}, {"node_id": "not-a-node"}, {"job_id": "j-xyz"},
 ])
 def test_claim_rejects_bad_values(kw):
@@ -117,3 +125,17 @@ def test_resources_gpu_count_and_max_memory():
 def test_gpu_info_bounds(gpu):
     with pytest.raises(ValidationError):
         GPUInfo.model_validate(gpu)
+
+
+@pytest.mark.parametrize("kw", [{"claims": []}, {"claims": [{}] * 65}, {"epoch": -1}, {"node_id": "x"}])
+def test_round_report_rejects_bad_values(kw):
+    base = dict(job_id=JOB, node_id=NODE, epoch=3, claims=[{"kind": "claim"}])
+    with pytest.raises(ValidationError):
+        RoundReport.model_validate(base | kw)
+
+
+@pytest.mark.parametrize("kw", [{"budget": -1}, {"budget": float("inf")}, {"gpus_per_node": 0},
+                                {"gpus_per_node": 65}, {"max_price_per_gpu_hour": float("nan")}])
+def test_job_spec_rejects_bad_market_fields(kw):
+    with pytest.raises(ValidationError):
+        spec(**kw)

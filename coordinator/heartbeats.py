@@ -1,0 +1,188 @@
+"""Node heartbeats, applied in batches (group commit), and the job/assignment transitions they can trigger.
+
+Owns `HeartbeatBatcher`: handlers hand it verified heartbeats and await their result; one task applies everything
+that queued up meanwhile in ONE transaction (one SELECT of the nodes, one of the nonces, one of the active
+assignments, one commit), instead of one transaction per heartbeat. Each heartbeat still gets its own answer: an
+unknown node, a wrong key, a revoked node or a replayed nonce refuses that heartbeat alone, before anything of it
+is written. A failure of the batch itself (the database) fails every heartbeat in it, and changes nothing.
+
+Also owns `end_job` and `lose_assignments`, the transitions a heartbeat (a failure report, going offline) shares
+with the HTTP handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from gpuswarm.coordinator.challenge_schedule import challenge_due
+from gpuswarm.coordinator.config import CoordinatorConfig
+from gpuswarm.coordinator.db import AssignmentRow, Job, JobEvent, Node, SeenNonce
+from gpuswarm.coordinator.errors import ApiError, Conflict, Forbidden, NotFound, Unauthorized
+from gpuswarm.proto.models import AssignmentState, Heartbeat, JobState, NodeState
+from gpuswarm.proto.signing import MAX_CLOCK_SKEW, SignedEnvelope
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+logger = logging.getLogger(__name__)
+MAX_BATCH = 512
+
+
+@dataclass
+class Outcome:
+    """What one applied heartbeat tells its handler."""
+
+    challenge: bool = False
+    wake: bool = False  # failures or OFFLINE: the supervisor should run now
+    membership_changed: bool = False  # a mesh node came or went: peer lists change
+
+
+@dataclass
+class _Pending:
+    envelope: SignedEnvelope
+    heartbeat: Heartbeat
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class HeartbeatBatcher:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig):
+        self.sessions, self.config = sessions, config
+        self._queue: list[_Pending] = []
+        self._queued = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="heartbeat-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for item in self._queue:
+            item.future.cancel()
+
+    async def submit(self, envelope: SignedEnvelope, heartbeat: Heartbeat) -> Outcome:
+        item = _Pending(envelope, heartbeat)
+        self._queue.append(item)
+        self._queued.set()
+        return await item.future
+
+    async def _run(self) -> None:
+        while True:
+            await self._queued.wait()
+            self._queued.clear()
+            while self._queue:
+                batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+                await self._apply(batch)
+
+    async def _apply(self, batch: list[_Pending]) -> None:
+        results: list[Outcome | ApiError] = []
+        try:
+            async with self.sessions.begin() as session:
+                results = await apply_heartbeats(session, [(p.envelope, p.heartbeat) for p in batch], self.config,
+                                                 time.time())
+        except asyncio.CancelledError:
+            for p in batch:
+                p.future.cancel()
+            raise
+        except Exception as e:  # the database failed: every heartbeat of the batch gets the error
+            logger.exception("applying %d heartbeat(s) failed", len(batch))
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(e)
+            return
+        for p, result in zip(batch, results, strict=True):
+            if p.future.done():
+                continue
+            if isinstance(result, ApiError):
+                p.future.set_exception(result)
+            else:
+                p.future.set_result(result)
+
+
+async def apply_heartbeats(session: AsyncSession, items: list[tuple[SignedEnvelope, Heartbeat]],
+                           config: CoordinatorConfig, now: float) -> list[Outcome | ApiError]:
+    node_ids = {hb.node_id for _, hb in items}
+    nodes = {n.id: n for n in (await session.scalars(select(Node).where(Node.id.in_(node_ids)))).all()}
+    nonces = [env.nonce for env, _ in items]
+    seen = set((await session.scalars(select(SeenNonce.nonce).where(SeenNonce.nonce.in_(nonces)))).all())
+    active: dict[str, dict[str, AssignmentRow]] = {}
+    for a in (await session.scalars(select(AssignmentRow).where(
+            AssignmentRow.node_id.in_(node_ids), AssignmentRow.state == AssignmentState.ACTIVE.value))).all():
+        active.setdefault(a.node_id, {})[a.job_id] = a
+    results: list[Outcome | ApiError] = []
+    for envelope, hb in items:
+        node = nodes.get(hb.node_id)
+        if node is None:
+            results.append(NotFound(f"node {hb.node_id} is not registered", code="unknown_node"))
+        elif node.public_key != envelope.public_key:
+            results.append(Unauthorized("signed with a key that is not this node's", code="bad_signature"))
+        elif node.revoked:
+            results.append(Forbidden(f"node {node.id} has been revoked", code="revoked"))
+        elif envelope.nonce in seen:
+            results.append(Conflict("replayed message: this nonce was already used", code="replay"))
+        else:
+            seen.add(envelope.nonce)
+            session.add(SeenNonce(nonce=envelope.nonce, expires_at=envelope.timestamp + 2 * MAX_CLOCK_SKEW))
+            results.append(await _apply_one(session, node, hb, active.setdefault(node.id, {}), config, now))
+    return results
+
+
+async def _apply_one(session: AsyncSession, node: Node, hb: Heartbeat, active: dict[str, AssignmentRow],
+                     config: CoordinatorConfig, now: float) -> Outcome:
+    was_online = node.online
+    if was_online and now - node.last_seen <= config.node_timeout:
+        node.online_seconds += now - node.last_seen  # uptime counts only gaps shorter than the timeout
+    if hb.peer_rtt_ms:
+        node.peer_rtt_ms = dict(hb.peer_rtt_ms)
+    node.last_seen, node.state, node.online = now, hb.state.value, hb.state is not NodeState.OFFLINE
+    outcome = Outcome(membership_changed=node.mesh_address is not None and was_online != node.online,
+                      wake=bool(hb.failures) or hb.state is NodeState.OFFLINE)
+    for p in hb.progress:
+        job = await session.get(Job, p.job_id) if p.job_id in active else None
+        # Only a member of a running job moves its progress, and never backwards.
+        if job is None or job.state != JobState.RUNNING.value:
+            continue
+        if p.global_step >= job.global_step:
+            job.epoch, job.global_step, job.accuracy, job.loss = p.epoch, p.global_step, p.accuracy, p.loss
+            job.samples_per_second, job.peers = p.samples_per_second, p.peers
+    for f in hb.failures:
+        assignment = active.pop(f.job_id, None)  # pop: one failure per assignment, however often it is listed
+        if assignment is None:
+            continue
+        assignment.state, assignment.ended_at = AssignmentState.FAILED.value, now
+        assignment.reason = f.reason[-2000:]
+        job = await session.get(Job, f.job_id)
+        job.failures += 1
+        session.add(JobEvent(job_id=job.id, at=now, message=f"node {node.id} failed: {f.reason[-300:]}"))
+        if job.failures >= config.max_job_failures and not JobState(job.state).is_final:
+            job.error = f.reason[-2000:]
+            await end_job(session, job, JobState.FAILED, now, f"failed after {job.failures} node failures")
+    outcome.challenge = hb.state is not NodeState.OFFLINE and challenge_due(node, now, busy=bool(active))
+    if hb.state is NodeState.OFFLINE:
+        await lose_assignments(session, node.id, now, "node went offline")
+        active.clear()
+    return outcome
+
+
+async def lose_assignments(session: AsyncSession, node_id: str, now: float, reason: str) -> None:
+    rows = (await session.scalars(select(AssignmentRow).where(
+        AssignmentRow.node_id == node_id, AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
+    for a in rows:
+        a.state, a.ended_at, a.reason = AssignmentState.LOST.value, now, reason
+        session.add(JobEvent(job_id=a.job_id, at=now, message=f"node {node_id}: {reason}"))
+
+
+async def end_job(session: AsyncSession, job: Job, state: JobState, now: float, message: str) -> None:
+    """Move a job to a final state and close its active assignments."""
+    job.state, job.finished_at = state.value, now
+    closing = AssignmentState.CANCELLED if state is JobState.CANCELLED else AssignmentState.FINISHED
+    rows = (await session.scalars(select(AssignmentRow).where(
+        AssignmentRow.job_id == job.id, AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
+    for a in rows:
+        a.state, a.ended_at, a.reason = closing.value, now, message
+    session.add(JobEvent(job_id=job.id, at=now, message=message))

@@ -1,0 +1,1 @@
+"""Alembic's environment and revision scripts for the coordinator's schema; driven by gpuswarm.coordinator.migrate."""

@@ -1,0 +1,229 @@
+"""Marketplace benchmark: the matcher's time on a synthetic market, measured alone (it is a pure function).
+
+Sections (run the ones named on the command line; by default all):
+- matcher: one matching pass over 10,000 nodes x 1,000 jobs (goal: under 1 s) and 1,000 x 100 for scale; the
+  median of several runs each. The matcher at git HEAD runs on the same markets in the same run, when its
+  interface is the old one (NodeView.busy), and is reported as a ratio.
+
+The market is random but seeded: GPU models with typical asks, 1-8 GPUs a node, partly used nodes, a few stale
+ones, sparse RTT maps; pending and running jobs with mixed requirements, bids, node counts and GPUs per node.
+
+Run: scripts/bench/run market [SECTION ...] [--runs 5]. Prints each table and appends it to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+from gpuswarm.coordinator.matcher import JobView, NodeView, match
+from gpuswarm.proto.models import GPUInfo, JobSpec, JobState, Resources
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # bench/, scripts/
+
+ROOT = Path(__file__).resolve().parents[2]
+NOW = 1_000_000.0
+LIVENESS = 30.0
+
+# (model, memory GB, typical ask per GPU-hour, typical GFLOP/s, share of GPU nodes)
+GPU_KINDS = [
+    ("T4", 16.0, 0.35, 8_000.0, 0.20),
+    ("RTX3090", 24.0, 0.45, 35_000.0, 0.20),
+    ("RTX4090", 24.0, 0.70, 80_000.0, 0.25),
+    ("A100", 40.0, 1.30, 150_000.0, 0.15),
+    ("A100", 80.0, 1.90, 150_000.0, 0.10),
+    ("H100", 80.0, 2.90, 400_000.0, 0.10),
+]
+REQUIREMENTS = [  # (weight, requirements)
+    (40, {}),
+    (20, {"min_gpu_memory_gb": 24.0}),
+    (15, {"min_gpu_memory_gb": 40.0}),
+    (10, {"gpu_models": ["A100"]}),
+    (10, {"gpu_models": ["H100", "A100"], "min_gpu_memory_gb": 80.0}),
+    (5, {"allow_cpu": True}),
+]
+
+
+def synthetic_market(n_nodes: int, n_jobs: int, seed: int = 1) -> tuple[list[JobView], list[NodeView]]:
+    rng = random.Random(seed)
+    ids = [f"{rng.getrandbits(64):016x}" for _ in range(n_nodes)]
+    nodes = []
+    for nid in ids:
+        if rng.random() < 0.15:
+            resources, ask, throughput = Resources(cpu_cores=16, ram_gb=64), rng.uniform(0.01, 0.1), 500.0
+        else:
+            model, memory, typical, flops, _ = rng.choices(GPU_KINDS, weights=[k[4] for k in GPU_KINDS])[0]
+            count = rng.choices([1, 2, 4, 8], weights=[50, 20, 20, 10])[0]
+            resources = Resources(cpu_cores=32, ram_gb=128, gpus=[GPUInfo(model=model, memory_gb=memory, count=count)])
+            ask, throughput = typical * rng.lognormvariate(0, 0.25), flops * rng.uniform(0.7, 1.1)
+        verified = rng.random() < 0.75
+        cap = resources.gpu_count or 1
+        nodes.append(NodeView(
+            id=nid, resources=resources, price_per_gpu_hour=round(ask, 2),
+            last_seen=NOW - (rng.uniform(0, 10) if rng.random() < 0.97 else 120.0),
+            gpus_in_use=rng.randint(0, cap) if rng.random() < 0.4 else 0, verified=verified,
+            reputation=rng.betavariate(5, 2), throughput=throughput if verified else None,
+            rtt_ms={rng.choice(ids): rng.uniform(1.0, 250.0) for _ in range(16)}))
+    jobs = []
+    for k in range(n_jobs):
+        max_nodes = rng.choices([1, 2, 4, 8, 16, 32], weights=[20, 20, 25, 20, 10, 5])[0]
+        running = rng.random() < 0.5
+        members = frozenset(rng.sample(ids, rng.randint(1, max_nodes))) if running else frozenset()
+        lost = 1 if members and rng.random() < 0.3 else 0  # a running job that lost a member has a free shard
+        requirements = dict(rng.choices([r for _, r in REQUIREMENTS], weights=[w for w, _ in REQUIREMENTS])[0])
+        requirements.setdefault("allow_cpu", rng.random() < 0.3)
+        requirements["verified_only"] = rng.random() < 0.3
+        typical = rng.choice(GPU_KINDS)[2]
+        spec = JobSpec.model_validate({
+            "workload": "digits-mlp", "max_nodes": max_nodes, "min_nodes": rng.randint(1, max_nodes),
+            "gpus_per_node": rng.choices([1, 2, 4], weights=[70, 20, 10])[0],
+            "max_price_per_gpu_hour": None if rng.random() < 0.15 else round(typical * rng.uniform(0.8, 1.6), 2),
+            "requirements": requirements})
+        jobs.append(JobView(
+            id=f"j-{k:012x}", spec=spec, state=JobState.RUNNING if running else JobState.PENDING,
+            created_at=NOW - rng.uniform(0, 3600), members=members,
+            active_shards=frozenset(range(lost, len(members))), funded=rng.random() < 0.95))
+    return jobs, nodes
+
+
+PREVIOUS = "841853a"  # the last commit with the first matcher (FIFO, one job per node, cheapest first)
+
+
+def old_matcher() -> types.ModuleType | None:
+    """The first matcher, from commit PREVIOUS (None when git or the commit is not there)."""
+    try:
+        source = subprocess.run(["git", "show", f"{PREVIOUS}:coordinator/matcher.py"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    module = types.ModuleType("gpuswarm_head_matcher")
+    sys.modules[module.__name__] = module  # dataclasses look their module up while building the classes
+    exec(compile(source, f"{PREVIOUS}:coordinator/matcher.py", "exec"), module.__dict__)
+    fields = getattr(module.NodeView, "__dataclass_fields__", {})
+    return module if "busy" in fields and "gpus_in_use" not in fields else None
+
+
+def as_old(module: types.ModuleType, jobs: list[JobView], nodes: list[NodeView]) -> tuple[list, list]:
+    """The same market in the old views: a node with anything in use is busy (the old one-job-per-node rule)."""
+    return ([module.JobView(j.id, j.spec, j.state, j.created_at, j.active_shards) for j in jobs],
+            [module.NodeView(n.id, n.resources, n.price_per_gpu_hour, n.last_seen, n.gpus_in_use > 0) for n in nodes])
+
+
+def timed(fn: Callable[[], list], runs: int) -> tuple[list[float], list[float], list]:
+    """Wall-clock and CPU seconds of each run, and the last result. CPU time shows the cost on a shared machine."""
+    walls, cpus, result = [], [], []
+    for _ in range(runs):
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return walls, cpus, result
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f} ms"
+
+
+def section_matcher(args: argparse.Namespace) -> tuple[str, str]:
+    old = old_matcher()
+    rows = []
+    for n_nodes, n_jobs in [(10_000, 1_000), (1_000, 100)]:
+        jobs, nodes = synthetic_market(n_nodes, n_jobs)
+        walls, cpus, matches = timed(lambda j=jobs, n=nodes: match(j, n, NOW, liveness=LIVENESS), args.runs)
+        new = statistics.median(walls)
+        served = len({m.job_id for m in matches})
+        row = [f"{n_nodes:,} x {n_jobs:,}", str(args.runs), ms(new), f"{ms(min(walls))} - {ms(max(walls))}",
+               ms(statistics.median(cpus)), f"{len(matches):,}", f"{served:,}"]
+        if old is not None:
+            old_jobs, old_nodes = as_old(old, jobs, nodes)
+            old_runs = max(1, args.runs // 2)
+            old_walls, old_cpus, _ = timed(lambda j=old_jobs, n=old_nodes: old.match(j, n, NOW, liveness=LIVENESS),
+                                           old_runs)
+            old_wall, old_cpu = statistics.median(old_walls), statistics.median(old_cpus)
+            row += [f"{ms(old_wall)} ({old_runs} runs)", ms(old_cpu),
+                    f"{old_wall / new:.1f} (CPU {old_cpu / statistics.median(cpus):.1f})"]
+        else:
+            row += ["n/a (no git history)", "n/a", "n/a"]
+        rows.append(row)
+        print(f"  {row[0]}: {row[2]} wall, {row[4]} CPU", file=sys.stderr)
+    header = ["nodes x jobs", "runs", "wall (median)", "wall (range)", "CPU (median)", "matches", "jobs served",
+              "first matcher wall", "first matcher CPU", "first / new"]
+    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                       *("| " + " | ".join(r) + " |" for r in rows)])
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    note = ("One pass of `coordinator.matcher.match` on a seeded synthetic market (scripts/bench/market.py), pure "
+            "Python; goal: under 1 s for 10,000 x 1,000. CPU is the process's CPU time, which other load on the "
+            f"machine disturbs less than wall time (load average at the end: {load}). The first matcher "
+            f"(commit {PREVIOUS}) ran on the same markets in the same run through its old views (a node with any "
+            "GPU in use counts as busy; no ranking, RTT or multi-job nodes); the ratio compares the cost of one "
+            "pass, not equal outputs.")
+    return "matcher", f"{note}\n\n{table}"
+
+
+def section_heartbeats(args: argparse.Namespace) -> tuple[str, str]:
+    """Signed heartbeats against a real coordinator process, on SQLite and on a throwaway PostgreSQL cluster."""
+    import heartbeat_load
+    import pglab
+
+    rows = []
+    backends: list[tuple[str, object]] = [("SQLite (WAL, one connection)", None)]
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(pglab.server())
+            url = asyncio.run(server.create_database("bench_heartbeats"))
+            backends.append(("PostgreSQL 15 (asyncpg)", url.render_as_string(hide_password=False)
+                             if hasattr(url, "render_as_string") else str(url)))
+        except pglab.PostgresUnavailable as e:
+            print(f"  PostgreSQL skipped: {e}", file=sys.stderr)
+        for name, url in backends:
+            result = heartbeat_load.run(url, seconds=args.seconds, concurrency=args.concurrency)
+            rows.append([name, f"{result['requests']:,}", str(result["errors"]), f"{result['per_second']:,.0f}",
+                         f"{result['p50_ms']:.1f} ms", f"{result['p99_ms']:.1f} ms"])
+            print(f"  {name}: {rows[-1][3]}/s, p99 {rows[-1][5]}", file=sys.stderr)
+    header = ["database", "heartbeats", "errors", "per second", "p50", "p99"]
+    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                       *("| " + " | ".join(r) + " |" for r in rows)])
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    note = (f"`gpuswarm coordinator serve` in its own process, 200 registered nodes, {args.concurrency} heartbeats "
+            f"in flight for {args.seconds:.0f} s from one client process on the same machine (pre-signed, each with "
+            "its own nonce): every heartbeat is checked (envelope, Ed25519, freshness) and answered on its own; "
+            "the writes of the heartbeats that queued up meanwhile share one transaction (group commit, "
+            f"coordinator/heartbeats.py). Goal: >= 2,000/s and p99 < 50 ms. Load average at the end: {load}.")
+    return "heartbeats", f"{note}\n\n{table}"
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
+    "matcher": section_matcher, "heartbeats": section_heartbeats}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of {', '.join(SECTIONS)}; default: all")
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per case (the median is reported)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="heartbeat load duration per database")
+    parser.add_argument("--concurrency", type=int, default=32, help="heartbeats in flight")
+    args = parser.parse_args()
+    if unknown := [s for s in args.sections if s not in SECTIONS]:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+    machine = f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}"
+    for name in args.sections or list(SECTIONS):
+        title, body = SECTIONS[name](args)
+        print(body)
+        with open(ROOT / "docs" / "benchmarks.md", "a") as f:
+            f.write(f"\n## market: {title} ({time.strftime('%Y-%m-%d')}, {machine})\n\n{body}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The marketplace's money and trust over the real API: owner accounts and isolation, escrow, peer-attested
+claims (credit, equivocation, throughput cap, solo rounds), settlement, statements and reputation.
+
+Real aiohttp app over real HTTP, a real database (every backend of the `database_url` fixture), real Ed25519.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from gpuswarm.coordinator.app import create_app
+from gpuswarm.coordinator.config import ADMIN_TOKEN, CoordinatorConfig
+from test_api import (
+    SharedServerClient,
+    claim,
+    new_owner_token,
+    register,
+    rejected,
+    round_report,
+    signed,
+    submit,
+    wait_for_assignment,
+)
+
+PRICE_A, PRICE_B = 1.0, 2.0
+
+
+@pytest.fixture
+async def server(tmp_path, database_url):
+    app = create_app(CoordinatorConfig(data_dir=tmp_path / "coordinator", database_url=database_url,
+                                       start_dht=False, loop_interval=0.2, settle_grace=0.5))
+    async with TestServer(app) as server:
+        yield server
+
+
+@pytest.fixture
+async def admin(server):
+    async with SharedServerClient(server, headers={"Authorization": f"Bearer {server.app[ADMIN_TOKEN]}"}) as client:
+        yield client
+
+
+async def owner_client(server, name: str, credits: float = 100.0) -> TestClient:
+    token = await new_owner_token(server, server.app, name, credits)
+    client = SharedServerClient(server, headers={"Authorization": f"Bearer {token}"})
+    await client.start_server()
+    return client
+
+
+@pytest.fixture
+async def alice(server):
+    client = await owner_client(server, "alice")
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def bob(server):
+    client = await owner_client(server, "bob")
+    yield client
+    await client.close()
+
+
+async def register_priced(client: TestClient, price: float):
+    from test_api import new_identity, registration
+
+    node = new_identity()
+    response = await client.post("/v1/nodes/register",
+                                 json=signed(node, "register", registration(node, price_per_gpu_hour=price)))
+    assert response.status == 200, await response.text()
+    return node
+
+
+@pytest.fixture
+async def pair(alice):
+    """Two nodes (asks 1.0 and 2.0) running one 2-node job of alice's with a budget of 10."""
+    a, b = await register_priced(alice, PRICE_A), await register_priced(alice, PRICE_B)
+    job_id = await submit(alice, min_nodes=2, max_nodes=2, budget=10.0, max_price_per_gpu_hour=5.0)
+    await wait_for_assignment(alice, a, job_id)
+    await wait_for_assignment(alice, b, job_id)
+    return a, b, job_id
+
+
+async def get(client: TestClient, path: str) -> dict:
+    response = await client.get(path)
+    assert response.status == 200, await response.text()
+    return await response.json()
+
+
+async def report(client: TestClient, node, job_id: str, claims: list[dict], epoch: int = 0, solo: bool = False):
+    response = await client.post("/v1/rounds", json=round_report(node, job_id, claims, epoch=epoch, solo=solo))
+    assert response.status == 201, await response.text()
+    return await response.json()
+
+
+async def wait_settled(client: TestClient, job_id: str) -> dict:
+    for _ in range(100):
+        statement = await get(client, f"/v1/jobs/{job_id}/statement")
+        if statement["settled"]:
+            return statement
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"job {job_id} was not settled: {statement}")
+
+
+def rows(statement: dict) -> dict[str, dict]:
+    return {r["node_id"]: r for r in statement["nodes"]}
+
+
+# ---------------------------------------------------------------------------------------------------- accounts
+
+
+async def test_owner_sees_and_cancels_only_their_own_jobs(alice, bob):
+    job_id = await submit(alice)
+    assert [j["id"] for j in (await get(alice, "/v1/jobs"))["jobs"]] == [job_id]
+    assert (await get(bob, "/v1/jobs"))["jobs"] == []
+    for method, path in [("GET", f"/v1/jobs/{job_id}"), ("GET", f"/v1/jobs/{job_id}/contributions"),
+                         ("GET", f"/v1/jobs/{job_id}/statement"), ("POST", f"/v1/jobs/{job_id}/cancel"),
+                         ("GET", f"/v1/jobs/{job_id}/artifacts/model.pt")]:
+        await rejected(bob, method, path, 403, "not_your_job")
+    assert (await get(alice, f"/v1/jobs/{job_id}"))["state"] in ("pending", "running")
+
+
+async def test_job_routes_need_a_valid_owner_token(server, alice):
+    job_id = await submit(alice)
+    async with SharedServerClient(server) as anonymous:
+        await rejected(anonymous, "GET", "/v1/jobs", 401, "no_token")
+        await rejected(anonymous, "POST", "/v1/jobs", 401, "no_token", json={"workload": "digits-mlp"})
+        await rejected(anonymous, "GET", f"/v1/jobs/{job_id}", 401, "no_token")
+    async with SharedServerClient(server, headers={"Authorization": "Bearer gso_not-a-real-token"}) as forged:
+        await rejected(forged, "GET", "/v1/jobs", 401, "bad_token")
+        await rejected(forged, "POST", f"/v1/jobs/{job_id}/cancel", 401, "bad_token")
+
+
+async def test_only_the_admin_creates_owners_and_adjusts_credits(alice, admin):
+    await rejected(alice, "POST", "/v1/owners", 401, "admin_only", json={"name": "mallory", "credits": 1e6})
+    me = await get(alice, "/v1/owners/me")
+    await rejected(alice, "POST", f"/v1/owners/{me['id']}/credits", 401, "admin_only", json={"amount": 1e6})
+    await rejected(admin, "POST", "/v1/owners", 409, "owner_exists", json={"name": "alice"})
+    await rejected(admin, "POST", "/v1/owners", 422, "invalid", json={"name": "bad name!", "credits": 1})
+    await rejected(admin, "POST", "/v1/owners", 422, "invalid", json={"name": "nan", "credits": "NaN"})
+    await rejected(admin, "POST", f"/v1/owners/{me['id']}/credits", 409, "insufficient_funds",
+                   json={"amount": -1000.5})
+    await rejected(admin, "POST", "/v1/owners/o-000000000000/credits", 404, "unknown_owner", json={"amount": 1})
+    response = await admin.post(f"/v1/owners/{me['id']}/credits", json={"amount": 25.5, "memo": "top-up"})
+    assert response.status == 200, await response.text()
+    assert (await response.json())["balance"] == 125.5
+    assert (await get(alice, "/v1/owners/me"))["balance"] == 125.5
+
+
+async def test_a_budget_over_the_balance_is_refused_and_changes_nothing(alice):
+    await rejected(alice, "POST", "/v1/jobs", 402, "insufficient_funds",
+                   json={"workload": "digits-mlp", "budget": 100.01})
+
+
+# ---------------------------------------------------------------------------------------------------- escrow
+
+
+async def test_attested_claims_are_paid_from_escrow_and_the_rest_refunded(alice, pair):
+    a, b, job_id = pair
+    assert (await get(alice, "/v1/owners/me"))["balance"] == 90.0  # 10 reserved at start
+    await asyncio.sleep(0.5)  # the paid time starts when a node joined the job
+    now = time.time()
+    window = {"window_start": now - 40, "window_end": now}
+    ca = claim(a, job_id, 0, samples=300, compute_seconds=36.0, **window)
+    cb = claim(b, job_id, 0, samples=280, compute_seconds=30.0, **window)
+    first = await report(alice, a, job_id, [ca, cb])
+    assert {c["node_id"]: c["status"] for c in first["claims"]} == {a.node_id: "pending", b.node_id: "credited"}
+    second = await report(alice, b, job_id, [cb, ca])
+    assert {c["status"] for c in second["claims"]} == {"credited"}
+    again = await report(alice, b, job_id, [cb, ca])  # a resent report (new nonce) pays nothing twice
+    assert {c["status"] for c in again["claims"]} == {"credited"}
+
+    response = await alice.post(f"/v1/jobs/{job_id}/cancel")
+    assert response.status == 200
+    statement = await wait_settled(alice, job_id)
+    by_node = rows(statement)
+    assert by_node[a.node_id]["samples"] == 300 and by_node[b.node_id]["samples"] == 280
+    # Paid wall-clock time: from joining the job (not from the claimed window start, 40 s ago) to the claim.
+    seconds_a, seconds_b = by_node[a.node_id]["compute_seconds"], by_node[b.node_id]["compute_seconds"]
+    assert 0.4 < seconds_a < 5 and 0.4 < seconds_b < 5, by_node
+    paid_a, paid_b = seconds_a / 3600 * PRICE_A, seconds_b / 3600 * PRICE_B
+    assert by_node[a.node_id]["paid"] == pytest.approx(paid_a, abs=2e-6)
+    assert by_node[b.node_id]["paid"] == pytest.approx(paid_b, abs=2e-6)
+    assert statement["reserved"] == 10.0
+    assert statement["paid"] == pytest.approx(paid_a + paid_b, abs=4e-6)
+    assert statement["refunded"] == pytest.approx(10.0 - statement["paid"], abs=1e-6)
+    assert statement["escrow"] == 0.0
+    assert (await get(alice, "/v1/owners/me"))["balance"] == pytest.approx(100.0 - statement["paid"], abs=1e-6)
+    node_statement = await get(alice, f"/v1/nodes/{b.node_id}/statement")
+    assert node_statement["balance"] == by_node[b.node_id]["paid"]
+    assert node_statement["jobs"][0]["job_id"] == job_id
+
+
+async def test_a_job_whose_budget_runs_out_ends(alice):
+    a, b = await register_priced(alice, 1000.0), await register_priced(alice, 1000.0)
+    job_id = await submit(alice, min_nodes=2, max_nodes=2, budget=0.001)
+    await wait_for_assignment(alice, a, job_id)
+    await asyncio.sleep(0.2)
+    now = time.time()
+    ca, cb = (claim(n, job_id, 0, compute_seconds=30.0, window_start=now - 40, window_end=now) for n in (a, b))
+    await report(alice, a, job_id, [ca, cb])
+    job = await get(alice, f"/v1/jobs/{job_id}")
+    assert job["state"] == "failed" and "budget" in job["error"]
+    statement = await wait_settled(alice, job_id)
+    assert statement["paid"] == pytest.approx(0.001) and statement["refunded"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------- attestation
+
+
+async def test_a_claim_nobody_else_attests_is_never_credited(alice, pair):
+    a, b, job_id = pair
+    result = await report(alice, a, job_id, [claim(a, job_id, 0)])  # not solo, and no peer reported it
+    assert result["claims"][0]["status"] == "pending"
+    now = time.time()
+    solo = await report(alice, a, job_id, [claim(a, job_id, 1, window_start=now - 30, window_end=now)],
+                        epoch=1, solo=True)  # b was in the job during this window
+    assert solo["claims"][0]["status"] == "pending"
+    await alice.post(f"/v1/jobs/{job_id}/cancel")
+    statement = await wait_settled(alice, job_id)
+    row = rows(statement)[a.node_id]
+    # Both rejected; only the claim that said it had a group is flagged (a solo round beside others is a failed
+    # round, not a lie).
+    assert (row["claims"], row["samples"], row["paid"], row["flagged"], row["pending"]) == (2, 0, 0.0, 1, 0)
+
+
+async def test_equivocation_is_flagged_and_only_the_attested_version_counts(alice, pair):
+    a, b, job_id = pair
+    shared = claim(a, job_id, 0, samples=100)  # what a showed its round
+    inflated = claim(a, job_id, 0, samples=900)  # what a told the coordinator
+    await report(alice, a, job_id, [inflated, claim(b, job_id, 0)])
+    await report(alice, b, job_id, [claim(b, job_id, 0), shared])
+    await alice.post(f"/v1/jobs/{job_id}/cancel")
+    row = rows(await wait_settled(alice, job_id))[a.node_id]
+    assert (row["claims"], row["claimed_samples"], row["samples"], row["flagged"]) == (2, 1000, 100, 2)
+
+
+async def test_a_claim_beyond_measured_throughput_is_capped_and_flagged(alice, pair):
+    a, b, job_id = pair
+    now = time.time()
+    window = {"window_start": now - 30, "window_end": now}
+    honest = claim(a, job_id, 0, samples=600, **window)
+    liar = claim(b, job_id, 0, samples=6000, **window)  # ten times its peer's share of the same round
+    await report(alice, a, job_id, [honest, liar])
+    await report(alice, b, job_id, [liar, honest])
+    statement = await get(alice, f"/v1/jobs/{job_id}/statement")
+    by_node = rows(statement)
+    assert by_node[a.node_id]["samples"] == 600 and by_node[a.node_id]["flagged"] == 0
+    assert by_node[b.node_id]["samples"] == 1800 and by_node[b.node_id]["flagged"] == 1  # 3x its peer's share
+    nodes = {n["id"]: n for n in (await get(alice, "/v1/nodes"))["nodes"]}
+    assert nodes[b.node_id]["reputation"] < nodes[a.node_id]["reputation"]
+
+
+async def test_claims_from_outside_the_job_are_ignored_not_fatal(alice, pair):
+    a, b, job_id = pair
+    outsider = await register(alice)
+    other_job = await submit(alice)
+    result = await report(alice, a, job_id, [claim(a, job_id, 0), claim(outsider, job_id, 0),
+                                             claim(b, other_job, 0)])
+    assert [c["node_id"] for c in result["claims"]] == [a.node_id]
+    assert sorted(i["reason"] for i in result["ignored"]) == ["another job", "not a member of this job"]
+
+
+async def test_node_statement_of_an_unknown_node_is_404(alice):
+    await rejected(alice, "GET", "/v1/nodes/0123456789abcdef/statement", 404, "unknown_node")
+
+
+async def test_openapi_document_lists_every_route_with_its_body_schema(server, alice):
+    doc = await get(alice, "/v1/openapi.json")
+    assert doc["openapi"].startswith("3.")
+    served = {(r.resource.get_info().get("formatter") or r.resource.get_info().get("path"), r.method.lower())
+              for r in server.app.router.routes() if r.method != "HEAD"}
+    documented = {(path, method) for path, ops in doc["paths"].items() for method in ops}
+    assert documented == {(p, m) for p, m in served if p.startswith("/v1/")}
+    submit_op = doc["paths"]["/v1/jobs"]["post"]
+    assert submit_op["security"] == [{"ownerToken": []}]
+    assert submit_op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/JobSpec"}
+    assert "budget" in doc["components"]["schemas"]["JobSpec"]["properties"]
+    rounds = doc["paths"]["/v1/rounds"]["post"]
+    assert "round_report" in rounds["description"] and "RoundReport" in doc["components"]["schemas"]
