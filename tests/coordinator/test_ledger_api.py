@@ -280,3 +280,19 @@ async def test_openapi_document_lists_every_route_with_its_body_schema(server, a
     assert "budget" in doc["components"]["schemas"]["JobSpec"]["properties"]
     rounds = doc["paths"]["/v1/rounds"]["post"]
     assert "round_report" in rounds["description"] and "RoundReport" in doc["components"]["schemas"]
+
+
+async def test_a_round_reported_an_hour_late_is_still_credited(alice, pair):
+    """Nodes buffer their round reports while the coordinator is down: the report is signed when it is finally
+    sent, the claims inside keep their signatures from the round (an hour old here), and are accepted."""
+    from gpuswarm.proto import signing
+    from gpuswarm.proto.models import CLAIM_KIND
+
+    a, b, job_id = pair
+    then = time.time() - 3600
+    old = [signing.sign(n.private_key, CLAIM_KIND, claim(n, job_id, 0, window_start=then - 30,
+                                                         window_end=then)["payload"], now=then).model_dump(mode="json")
+           for n in (a, b)]
+    await report(alice, a, job_id, old)
+    result = await report(alice, b, job_id, old[::-1])
+    assert {c["status"] for c in result["claims"]} == {"credited"}
