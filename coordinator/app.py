@@ -235,8 +235,8 @@ async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -
     nodes = (await session.scalars(select(Node).where(Node.online.is_(True), Node.revoked.is_(False)))).all()
     record = await reputation.records(session, list(nodes), now)
     node_views = [NodeView(n.id, Resources.model_validate(n.resources), n.price_per_gpu_hour, n.last_seen,
-                           gpus_in_use=in_use.get(n.id, 0), verified=bool(getattr(n, "verified", False)),
-                           reputation=reputation.score(record[n.id]), throughput=getattr(n, "measured_gflops", None),
+                           gpus_in_use=in_use.get(n.id, 0), verified=bool(n.verified),
+                           reputation=reputation.score(record[n.id]), throughput=n.measured_gflops,
                            rtt_ms=n.peer_rtt_ms or {}) for n in nodes]
     specs = {j.id: JobSpec.model_validate(j.spec) for j in jobs}
     balances: dict[str, int] = {}

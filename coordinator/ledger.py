@@ -124,7 +124,7 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
     assignments = (await session.scalars(select(AssignmentRow).where(AssignmentRow.job_id == job.id))).all()
     nodes = {n.id: n for n in (await session.scalars(select(Node).where(
         Node.id.in_({r.node_id for r in rows})))).all()}
-    gflops = {node_id: getattr(node, "measured_gflops", None) for node_id, node in nodes.items()}
+    gflops = {node_id: node.measured_gflops for node_id, node in nodes.items()}
     spec = JobSpec.model_validate(job.spec)
     events: list[str] = []
     paid_until = dict((await session.execute(

@@ -61,6 +61,6 @@ async def records(session: AsyncSession, nodes: list[Node], now: float) -> dict[
         select(Contribution.node_id, func.count()).where(Contribution.node_id.in_(ids), Contribution.flag.is_not(None))
         .group_by(Contribution.node_id))).all())
     return {n.id: Record(uptime=n.online_seconds / max(now - n.registered_at, 1.0), **counts[n.id],
-                         challenges_passed=getattr(n, "challenges_passed", 0) or 0,
-                         challenges_failed=getattr(n, "challenges_failed", 0) or 0,
+                         challenges_passed=n.challenges_passed or 0,
+                         challenges_failed=n.challenges_failed or 0,
                          flagged_claims=flagged.get(n.id, 0)) for n in nodes}

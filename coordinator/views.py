@@ -211,7 +211,7 @@ def node_json(node: Node, adverts: dict) -> dict:
         "software_version": node.software_version, "price_per_gpu_hour": node.price_per_gpu_hour,
         "endpoints": node.endpoints, "registered_at": node.registered_at, "last_seen": node.last_seen,
         "revoked": node.revoked, "mesh_address": node.mesh_address, "mesh_endpoints": node.mesh_endpoints,
-        "verified": bool(getattr(node, "verified", False)), "measured_gflops": getattr(node, "measured_gflops", None),
+        "verified": bool(node.verified), "measured_gflops": node.measured_gflops,
         "online_seconds": round(node.online_seconds, 1),
         "advert": None if advert is None else {"state": advert["state"], "expires_at": advert["dht_expiry"],
                                                 "maddrs": advert["maddrs"]},
