@@ -7,6 +7,7 @@ import typer
 from gpuswarm.coordinator.cli import coordinator_app, job_app, nodes_app
 from gpuswarm.mesh.cli import mesh_app
 from gpuswarm.node.cli import node_app
+from gpuswarm.node.dhtcli import dht_app
 
 app = typer.Typer(help="gpuswarm: a peer-to-peer GPU marketplace.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
@@ -15,6 +16,7 @@ app.add_typer(node_app, name="node")
 app.add_typer(job_app, name="job")
 app.add_typer(mesh_app, name="mesh")
 app.add_typer(nodes_app, name="nodes")
+app.add_typer(dht_app, name="dht")
 
 
 def main() -> None:

@@ -1,0 +1,174 @@
+"""`gpuswarm dht ...` against a real hivemind DHT: a bootstrap peer holding a real signed advert (stored the way
+node/advertiser.py stores it) and real progress records published by a running hivemind ProgressTracker. The CLI
+runs as a subprocess, exactly as an operator runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from localswarm import LocalSwarm
+
+pytestmark = pytest.mark.keep_processes  # the module-scoped swarm below outlives single tests; its teardown stops it
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB_ID = "j-0123456789ab"
+
+
+def gpuswarm(*args: str, timeout: float = 40) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpuswarm.cli", "dht", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, COLUMNS="200"))
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    import hivemind
+    from gpuswarm.node.identity import load_or_create
+    from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY, NodeAdvertValidator, job_run_id
+    from gpuswarm.proto.models import GPUInfo, NodeAdvert, NodeState, Resources
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils import get_dht_time
+
+    # A real coordinator process: its DHT peer is the bootstrap peer, and `--coordinator` reads it from /v1/dht.
+    lab = LocalSwarm(tmp_path_factory.mktemp("lab"))
+    lab.start_coordinator()
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                       initial_peers=lab.client.request("GET", "/v1/dht")["initial_peers"],
+                       record_validators=[NodeAdvertValidator(), RSASignatureValidator()])
+    tracker = None
+    try:
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        identity = load_or_create(tmp_path_factory.mktemp("node"))
+        expires = get_dht_time() + 120
+        advert = NodeAdvert(node_id=identity.node_id, state=NodeState.IDLE, software_version="test",
+                            resources=Resources(gpus=[GPUInfo(model="H100", memory_gb=80, count=2)], cpu_cores=16,
+                                                ram_gb=128),
+                            price_per_gpu_hour=1.25, maddrs=maddrs, expires_at=expires)
+        envelope = identity.sign(ADVERT_KIND, advert.model_dump(mode="json")).model_dump(mode="json")
+        assert dht.store(NODES_KEY, subkey=identity.node_id, value=envelope, expiration_time=expires)
+        # What a training process's hivemind.Optimizer runs: it signs and publishes this peer's progress.
+        tracker = ProgressTracker(dht, prefix=job_run_id(JOB_ID), target_batch_size=1000, start=True,
+                                  min_refresh_period=0.2, max_refresh_period=0.5)
+        tracker.report_local_progress(local_epoch=0, samples_accumulated=96)
+        deadline = time.monotonic() + 20
+        while dht.get(f"{job_run_id(JOB_ID)}_progress", latest=True) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the progress tracker published nothing")
+            time.sleep(0.2)
+        yield {"maddrs": maddrs, "node_id": identity.node_id, "peer_id": str(dht.peer_id), "url": lab.url}
+    finally:
+        if tracker is not None:
+            tracker.shutdown(timeout=5)
+        dht.shutdown()
+        lab.stop()
+
+
+def run_json(swarm, *args: str):
+    peers = [x for m in swarm["maddrs"] for x in ("--initial-peer", m)]
+    result = gpuswarm(*args, *peers, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_nodes_shows_the_verified_advert(swarm):
+    rows = run_json(swarm, "nodes")
+    assert len(rows) == 1
+    (row,) = rows
+    assert row["node_id"] == swarm["node_id"] and row["state"] == "idle"
+    assert row["signature"] == "ed25519-verified"
+    assert row["resources"]["gpus"] == [{"model": "H100", "memory_gb": 80.0, "count": 2}]
+    assert row["price_per_gpu_hour"] == 1.25 and row["maddrs"] == swarm["maddrs"]
+    assert row["dht_expiration"] > time.time() + 60
+
+
+def test_progress_decodes_the_trackers_signed_record(swarm):
+    out = run_json(swarm, "progress", JOB_ID)
+    assert out["key"] == "gpuswarm_j_0123456789ab_progress"
+    (peer,) = out["peers"]
+    assert peer["peer_id"] == swarm["peer_id"]
+    assert peer["epoch"] == 0 and peer["samples_accumulated"] == 96 and peer["client_mode"] is False
+    assert peer["signature"] == "rsa-verified" and peer["owner"].startswith("rsa-owner:")
+
+
+def test_get_and_ls(swarm):
+    record = run_json(swarm, "get", "gpuswarm.nodes")
+    assert record["found"] and record["records"][0]["subkey"] == swarm["node_id"]
+    assert record["records"][0]["value"]["kind"] == "advert"
+
+    # Through the real coordinator: its /v1/dht names the bootstrap peer (no node runs the job, so name it).
+    result = gpuswarm("ls", "gpuswarm", "--job", JOB_ID, "--coordinator", swarm["url"], "--json")
+    assert result.returncode == 0, result.stderr
+    listing = json.loads(result.stdout)
+    assert "gpuswarm_j_0123456789ab.members" in listing["looked_up"]  # looked up, but nobody stored it
+    assert {k["key"] for k in listing["keys"]} == {"gpuswarm.nodes", "gpuswarm_j_0123456789ab_progress"}
+    assert listing["unnamed_local_records"] == []
+
+
+def test_key_names_ls_can_know():
+    from gpuswarm.node.dhtcli import candidate_keys, run_id_of
+
+    run = "gpuswarm_j_0123456789ab"
+    assert run_id_of(JOB_ID) == run_id_of(run) == run_id_of(run + "_grad_averager.0b") == run
+    assert run_id_of("gpuswarm.nodes") is None
+    assert candidate_keys("gpuswarm.", [JOB_ID]) == ["gpuswarm.nodes"]
+    assert candidate_keys(JOB_ID, []) == [run + "_progress", run + ".members", run + "_grad_averager.0b",
+                                          run + "_state_averager.0b", run + "_grad_averager.all_averagers",
+                                          run + "_state_averager.all_averagers"]
+    grad_keys = [run + "_grad_averager.0b", run + "_grad_averager.all_averagers"]
+    assert candidate_keys(JOB_ID + "_grad", []) == candidate_keys(run + "_grad", []) == grad_keys
+    assert len(candidate_keys("gpuswarm", [JOB_ID, "j-ffffffffffff"])) == 13
+
+
+def test_watch_diff():
+    from gpuswarm.node.dhtcli import diff
+
+    a = {"value": 1, "signature": "unsigned", "expiration": 10.0}
+    assert diff({}, {("k", "s"): a}) == [{"change": "added", "key": "k", "subkey": "s", "signature": "unsigned",
+                                          "value": 1, "expiration": 10.0}]
+    assert diff({("k", "s"): a}, {("k", "s"): dict(a, expiration=20.0)}) == []  # re-declared, same value
+    assert [c["change"] for c in diff({("k", "s"): a}, {("k", "s"): dict(a, value=2)})] == ["changed"]
+    assert diff({("k", "s"): a}, {}) == [{"change": "gone", "key": "k", "subkey": "s"}]
+
+
+def test_peers_and_tables(swarm):
+    peers = run_json(swarm, "peers")
+    assert peers["self"] != swarm["peer_id"]
+    (bootstrap,) = [p for p in peers["peers"] if p["peer_id"] == swarm["peer_id"]]
+    assert bootstrap["routing"] and bootstrap["latency_ms"] is not None and bootstrap["addrs"]
+
+    table = gpuswarm("nodes", "--initial-peer", swarm["maddrs"][0])
+    assert table.returncode == 0, table.stderr
+    assert swarm["node_id"] in table.stdout and "2x H100 80G" in table.stdout and "ed25519-verified" in table.stdout
+
+
+def test_watch_prints_records_and_ends_on_ctrl_c(swarm):
+    proc = subprocess.Popen([sys.executable, "-m", "gpuswarm.cli", "dht", "watch", "gpuswarm", "--job", JOB_ID,
+                             "--interval", "1", "--initial-peer", swarm["maddrs"][0], "--json"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        changes = [json.loads(proc.stdout.readline()) for _ in range(2)]
+        assert {c["change"] for c in changes} == {"added"}
+        assert {c["key"] for c in changes} == {"gpuswarm.nodes", "gpuswarm_j_0123456789ab_progress"}
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_unreachable_dht_fails_clearly_within_the_timeout():
+    bogus = "/ip4/127.0.0.1/tcp/9/p2p/QmTRV6i8uCMYWGxWqpXdKs4XQXqPjbqE2uPJzCaUBTtSak"
+    started = time.monotonic()
+    result = gpuswarm("nodes", "--initial-peer", bogus, "--timeout", "5", "--json", timeout=30)
+    assert result.returncode == 1
+    assert "cannot reach the DHT" in result.stderr and bogus in result.stderr
+    assert time.monotonic() - started < 20
+    assert result.stdout == ""
