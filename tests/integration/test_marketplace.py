@@ -44,8 +44,9 @@ def test_a_node_that_inflates_its_claims_is_credited_only_what_its_peers_support
         assert rows[node_id]["samples"] >= 0.8 * rows[node_id]["claimed_samples"], rows[node_id]
     lying = rows[liar]
     assert lying["flagged"] > 0, lying
-    # Credited at most the throughput cap (3x its peers' median share of each round), far below what it claimed.
-    assert lying["samples"] <= lying["claimed_samples"] / 3, lying
+    # Credited at most the throughput cap (3x its peers' median share of each round, one round's worth always
+    # allowed): less than it claimed, and never far beyond what an honest member was credited.
+    assert lying["samples"] < 0.75 * lying["claimed_samples"], lying
     assert lying["samples"] <= 3.1 * max(rows[n]["samples"] for n in honest), lying
     reputation = {n["id"]: n["reputation"] for n in lab.client.nodes()}
     assert reputation[liar] < min(reputation[n] for n in honest)
