@@ -7,7 +7,7 @@ Measures, on the CPU with torch (as a node without a GPU computes):
   (n = 1024) and for the H100 class (n = 16384), run to the end (no giving up), against the class's time bound;
 - verify: the coordinator's check of an honest answer (proto.challenge.check_proof) for n = 1024 and 16384.
 
-Run: .venv/bin/python scripts/bench/challenge.py [--skip-h100]. Prints the table and appends it to
+Run: scripts/bench/run challenge [--skip-h100]. Prints the table and appends it to
 docs/benchmarks.md. The full H100-class product takes a minute or more on a small CPU.
 """
 
