@@ -78,8 +78,9 @@ def run(database_url: str | None, *, nodes: int = 200, seconds: float = 10.0, co
     """Start a coordinator on `database_url` (None: SQLite in a temporary dir), load it, stop it."""
     with tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
-        env = os.environ | ({"DATABASE_URL": database_url} if database_url else {})
-        env.pop("DATABASE_URL", None) if database_url is None else None
+        env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+        if database_url:
+            env["DATABASE_URL"] = database_url
         log = open(Path(tmp) / "coordinator.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "gpuswarm.cli", "coordinator", "serve", "--port", str(port),
                                  "--data-dir", str(Path(tmp) / "data"), "--log-level", "warning"],
