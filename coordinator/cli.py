@@ -16,6 +16,8 @@ from typing import Annotated, Any
 
 import typer
 from gpuswarm.coordinator.client import DEFAULT_URL, ApiClientError, CoordinatorClient
+from gpuswarm.proto import logs
+from gpuswarm.proto.logs import LogFormat, LogLevel
 from gpuswarm.proto.models import JobSpec
 from pydantic import ValidationError
 from rich.console import Console
@@ -82,14 +84,15 @@ def serve(
     mesh_cidr: Annotated[str, typer.Option(help="Network the nodes' mesh addresses come from.")] = "10.77.0.0/16",
     settle_grace: Annotated[float, typer.Option(help="Seconds after a job ends before its books close: "
                                                      "unattested claims rejected, unspent budget refunded.")] = 30.0,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_level: LogLevel = "info",
+    log_format: LogFormat = "text",
 ) -> None:
     """Serve the /v1 API, bootstrap the DHT, and match jobs to nodes until SIGTERM or Ctrl-C."""
     from aiohttp import web
     from gpuswarm.coordinator.app import create_app
     from gpuswarm.coordinator.config import CoordinatorConfig
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.configure(log_level, log_format, "coordinator")
     config = CoordinatorConfig(data_dir=data_dir, database_url=database_url, dht_host=dht_host, dht_port=dht_port,
                                node_timeout=node_timeout, mesh_cidr=mesh_cidr, settle_grace=settle_grace)
     try:

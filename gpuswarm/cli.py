@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
 import typer
 
 from gpuswarm.coordinator.cli import coordinator_app, job_app, nodes_app
@@ -20,7 +24,22 @@ app.add_typer(dht_app, name="dht")
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    if "hivemind" in sys.modules:
+        # The command's work is done and its DHT shut down. A hivemind call still pending in an executor thread
+        # (its DHT process terminated the hard way under load) would block interpreter exit forever, since exit
+        # joins those threads: `dht watch` once ignored Ctrl-C for over a minute this way. Leave without waiting.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from gpuswarm.proto import logs
+from gpuswarm.proto.logs import LogFormat, LogLevel
 
+log = logging.getLogger("gpuswarm.node")
 node_app = typer.Typer(help="Run a GPU node daemon.", no_args_is_help=True)
 
 
@@ -31,7 +34,8 @@ def start(
     listen_port: Annotated[int, typer.Option(help="WireGuard UDP port.")] = 51820,
     endpoint: Annotated[list[str] | None, typer.Option(help="HOST:PORT where peers can reach this node's "
                                                        "WireGuard (repeatable; default: local addresses).")] = None,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    log_level: LogLevel = "info",
+    log_format: LogFormat = "text",
 ) -> None:
     """Register with the coordinator, advertise this machine in the DHT, and train assigned jobs until SIGTERM."""
     from gpuswarm.node.client import CoordinatorClient
@@ -40,14 +44,14 @@ def start(
     from gpuswarm.node.identity import IdentityError, load_or_create
     from gpuswarm.node.meshlink import MeshUnavailable
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.configure(log_level, log_format, "node")
     try:
         identity = load_or_create(state_dir)
     except IdentityError as e:
-        typer.echo(f"error: {e}", err=True)
+        log.error("%s", e)
         raise typer.Exit(1) from None
     if not mesh:
-        typer.echo(f"WARNING: --no-mesh: hivemind traffic on {host} is NOT encrypted (development only)", err=True)
+        log.warning("--no-mesh: hivemind traffic on %s is NOT encrypted (development only)", host)
     config = NodeConfig(coordinator_url=coordinator, state_dir=state_dir, host=host, price_per_gpu_hour=price,
                         endpoints=[host], mesh=mesh, mesh_listen_port=listen_port, mesh_endpoints=endpoint or [])
 
@@ -63,7 +67,7 @@ def start(
     try:
         asyncio.run(main())
     except (MeshUnavailable, NodeRevoked) as e:
-        typer.echo(f"error: {e}", err=True)
+        log.error("%s", e)
         code = 1
     # The daemon's own shutdown is bounded and done by now. A hivemind call that outlived its DHT can leave an
     # executor thread blocked, and interpreter exit would wait for it; so leave without waiting.

@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from gpuswarm.proto import logs
+
 EVENT_PREFIX = "@gpuswarm "
 PARENT_PID_ENV = "GPUSWARM_PARENT_PID"
 PR_SET_PDEATHSIG = 1
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the daemon's Ed25519 identity file (<state_dir>/identity.key); signs the claims")
     args = parser.parse_args(argv)
     die_with_parent()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
+    logs.configure("info", os.environ.get(logs.FORMAT_ENV, "text"), "worker")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

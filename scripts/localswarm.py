@@ -46,11 +46,11 @@ class LocalSwarm:
             return subprocess.Popen([self.python, "-m", "gpuswarm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
-    def start_coordinator(self, timeout: float = 60.0) -> None:
+    def start_coordinator(self, *extra: str, timeout: float = 60.0) -> None:
         self.coordinator = self._spawn("coordinator", "coordinator", "serve", "--port", str(self.port),
                                        "--data-dir", str(self.root / "coordinator"),
                                        "--node-timeout", str(self.node_timeout),
-                                       "--settle-grace", str(self.settle_grace))
+                                       "--settle-grace", str(self.settle_grace), *extra)
         self.wait(lambda: self._healthy(), timeout, "the coordinator to answer", self.coordinator)
         self.admin = CoordinatorClient(self.url, token=(self.root / "coordinator" / "admin.token").read_text().strip())
         self.client = self.new_owner("swarm-owner")
