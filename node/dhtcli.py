@@ -10,6 +10,11 @@ bootstrap multiaddrs) and, for `ls`/`watch`, the public GET /v1/nodes (the job i
 A Kademlia DHT cannot list its keys (a key is stored under its hash, on the peers nearest that hash), so `ls` and
 `watch` look up the key names that can be known: `gpuswarm.nodes`, and for each run the keys gpuswarm and
 hivemind 1.1.12 derive from its run id (see `run_keys`).
+
+Ctrl-C is taken by a handler that only sets a flag, checked at safe points in our own code (`interrupted`), and
+system calls it interrupts are restarted. A KeyboardInterrupt raised anywhere else was seen to be lost (swallowed
+while hivemind and torch were being imported) or to hang the process for good (while an MPFuture, one per call
+into the DHT process, mapped shared memory through torch). A second Ctrl-C leaves at once.
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
+import signal
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -122,12 +130,42 @@ def open_dht(initial_peers: list[str], timeout: float):
             dht.terminate()
 
 
+_INTERRUPTED = threading.Event()
+
+
+def _on_sigint(_signum, _frame) -> None:
+    if _INTERRUPTED.is_set():
+        os._exit(130)  # the second Ctrl-C: the user does not want to wait for a clean shutdown
+    _INTERRUPTED.set()
+
+
+def interrupted(wait: float = 0.0) -> None:
+    """Raise KeyboardInterrupt here, in our code, if Ctrl-C was pressed (waiting up to `wait` seconds for it)."""
+    if _INTERRUPTED.wait(wait):
+        raise KeyboardInterrupt
+
+
+@dht_app.callback()
+def take_ctrl_c() -> None:
+    """Before any subcommand (and its imports of hivemind and torch, whose own code may swallow a
+    KeyboardInterrupt): Ctrl-C sets a flag from now on, and system calls it interrupts are restarted, since torch's
+    shared-memory client hangs on EINTR."""
+    signal.signal(signal.SIGINT, _on_sigint)
+    signal.siginterrupt(signal.SIGINT, False)
+
+
 def run_in_dht(dht, coroutine_fn, timeout: float):
-    """Run `coroutine_fn(dht, node)` in the DHT's process; a lookup that never answers gives up after `timeout`."""
-    try:
-        return dht.run_coroutine(coroutine_fn, return_future=True).result(timeout=timeout + 2.0)
-    except TimeoutError:
-        raise DHTUnreachable(f"the DHT did not answer within {timeout:.0f}s") from None
+    """Run `coroutine_fn(dht, node)` in the DHT's process; a lookup that never answers gives up after `timeout`,
+    and Ctrl-C stops waiting for it."""
+    future = dht.run_coroutine(coroutine_fn, return_future=True)
+    deadline = time.monotonic() + timeout + 2.0
+    while True:
+        interrupted()
+        try:
+            return future.result(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise DHTUnreachable(f"the DHT did not answer within {timeout:.0f}s") from None
 
 
 @dataclass(frozen=True)
@@ -370,8 +408,10 @@ def short(value: Any, width: int = 70) -> str:
 def session(initial_peer: list[str] | None, coordinator: str | None, timeout: float):
     """Bootstrap, yield the DHT, shut it down; DHT trouble becomes a clear message and exit code 1."""
     peers = resolve_initial_peers(initial_peer, coordinator, timeout)
+    interrupted()
     try:
         with open_dht(peers, timeout) as dht:
+            interrupted()
             yield dht
     except DHTUnreachable as e:
         raise fail(f"cannot reach the DHT via {', '.join(peers)}: {e}") from None
@@ -504,7 +544,7 @@ def watch_command(
                     for change in diff(seen, now):
                         print_change(change, as_json)
                     seen = now
-                time.sleep(interval)
+                interrupted(wait=interval)
     except KeyboardInterrupt:
         if not as_json:
             err.print("[dim]stopped[/dim]")
