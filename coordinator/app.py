@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
-from gpuswarm.coordinator import challenge, ledger, migrate, reputation, views
+from gpuswarm.coordinator import challenge, dashboard, ledger, migrate, reputation, tensorboard, views
 from gpuswarm.coordinator.config import (
     ADMIN_TOKEN,
     ADVERTS,
@@ -27,6 +27,7 @@ from gpuswarm.coordinator.config import (
     DHT_PEERS,
     HEARTBEATS,
     MESH_VERSION,
+    METRICS,
     SESSIONS,
     WAKE,
     CoordinatorConfig,
@@ -44,6 +45,7 @@ from gpuswarm.coordinator.errors import error_middleware
 from gpuswarm.coordinator.heartbeats import HeartbeatBatcher
 from gpuswarm.coordinator.matcher import JobView, NodeView, match
 from gpuswarm.coordinator.mesh import MeshVersion
+from gpuswarm.coordinator.metrics import CoordinatorMetrics, metrics_middleware, setup_metrics
 from gpuswarm.mesh import ipam
 from gpuswarm.proto.models import AssignmentState, JobSpec, JobState, Resources
 from sqlalchemy import select
@@ -108,7 +110,7 @@ async def _dht(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
-    batcher = HeartbeatBatcher(app[SESSIONS], app[CONFIG])
+    batcher = HeartbeatBatcher(app[SESSIONS], app[CONFIG], app[METRICS])
     batcher.start()
     app[HEARTBEATS] = batcher
     yield
@@ -131,7 +133,7 @@ async def supervise(app: web.Application) -> None:
     last_observe = 0.0
     while True:
         try:
-            if await tick(app[SESSIONS], config, time.time()):
+            if await tick(app[SESSIONS], config, time.time(), app[METRICS]):
                 await app[MESH_VERSION].bump()  # nodes went offline: their peers drop them
             if DHT in app and time.monotonic() - last_observe > 5.0:
                 last_observe = time.monotonic()
@@ -141,6 +143,7 @@ async def supervise(app: web.Application) -> None:
             raise
         except Exception:
             logger.exception("supervisor tick failed; retrying")
+            app[METRICS].supervisor_failures.inc()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(app[WAKE].wait(), timeout=config.loop_interval)
         app[WAKE].clear()
@@ -191,13 +194,18 @@ async def observe_progress(sessions: async_sessionmaker[AsyncSession], dht) -> N
                 job.dht_epoch = max(job.dht_epoch or 0, epochs[job.id])
 
 
-async def tick(sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig, now: float) -> list[str]:
+async def tick(sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig, now: float,
+               metrics: CoordinatorMetrics | None = None) -> list[str]:
     """One pass of the coordinator's bookkeeping. Returns the ids of nodes it found silent and took offline."""
     async with sessions.begin() as session:
         silent = await _lose_silent_nodes(session, config, now)
-        await _match(session, config, now)
+        started = time.perf_counter()
+        matched = await _match(session, config, now)
+        matching_seconds = time.perf_counter() - started
         await _settle_ended_jobs(session, config, now)
         await forget_expired_nonces(session, now)
+    if metrics is not None:  # after the commit: assignments that were rolled back are not counted
+        metrics.matched(matching_seconds, len(matched))
     return silent
 
 
@@ -278,14 +286,25 @@ async def _settle_ended_jobs(session: AsyncSession, config: CoordinatorConfig, n
     for job in ended:
         await ledger.settle(session, job, now)
         session.add(JobEvent(job_id=job.id, at=now, message="settled: unspent budget refunded"))
+        try:
+            # A savepoint: a failed write takes back only its own rows, never the settlement. The points stay in
+            # the database, and GET .../artifacts/tensorboard.tfevents renders them on demand without the file.
+            async with session.begin_nested():
+                await tensorboard.store(session, job.id, config.artifact_dir, now)
+        except Exception:
+            logger.exception("job %s: writing its TensorBoard event file failed; settling it without", job.id)
 
 
 def create_app(config: CoordinatorConfig) -> web.Application:
     ipam.new_state(config.mesh_cidr)  # a bad --mesh-cidr fails here, not at the first registration
     # The app-wide cap fits the largest artifact; JSON routes enforce their own, much smaller, cap while reading.
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_artifact_bytes)
+    # metrics_middleware is outermost: it records the status error_middleware settled on.
+    app = web.Application(middlewares=[metrics_middleware, error_middleware],
+                          client_max_size=config.max_artifact_bytes)
     app[CONFIG] = config
     app.cleanup_ctx.extend([_database, _heartbeats, _dht, _supervisor])
+    setup_metrics(app)  # GET /metrics and the per-app registry
     views.setup_routes(app)
     challenge.setup_routes(app)  # GPU challenge routes and sweep (its cleanup_ctx step follows the database)
+    dashboard.setup_routes(app)  # the web page at /dashboard (static files; reads the /v1 API)
     return app

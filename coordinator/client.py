@@ -13,7 +13,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from gpuswarm.proto.models import is_job_id
+
 DEFAULT_URL = "http://127.0.0.1:8470"
+TENSORBOARD_ARTIFACT = "tensorboard.tfevents"  # coordinator.tensorboard.ARTIFACT_NAME (not imported: no protobuf here)
 
 
 class ApiClientError(Exception):
@@ -63,6 +66,10 @@ class CoordinatorClient:
     def job(self, job_id: str) -> dict:
         return self.request("GET", f"/v1/jobs/{job_id}")
 
+    def progress(self, job_id: str, after: int | None = None) -> dict:
+        """The job's training curve: `{job_id, state, points: [...], truncated}`, points after step `after`."""
+        return self.request("GET", f"/v1/jobs/{job_id}/progress" + ("" if after is None else f"?after={after}"))
+
     def cancel_job(self, job_id: str) -> dict:
         return self.request("POST", f"/v1/jobs/{job_id}/cancel")
 
@@ -101,3 +108,13 @@ class CoordinatorClient:
             raise ApiClientError(f"download of {name} is corrupt: SHA-256 {digest.hexdigest()} != {expected}")
         tmp.replace(dest)
         return digest.hexdigest()
+
+    def download_tensorboard(self, job_id: str, logdir: Path) -> tuple[Path, str]:
+        """Save the job's TensorBoard event file as LOGDIR/JOB_ID/tensorboard.tfevents (one run per job for
+        `tensorboard --logdir LOGDIR`), replacing an earlier download. Returns the path and its SHA-256."""
+        if not is_job_id(job_id):  # it names a directory: nothing like "../x"
+            raise ApiClientError(f"not a job id: {job_id!r}")
+        directory = logdir / job_id
+        directory.mkdir(parents=True, exist_ok=True)
+        dest = directory / TENSORBOARD_ARTIFACT
+        return dest, self.download_artifact(job_id, TENSORBOARD_ARTIFACT, dest)

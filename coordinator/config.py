@@ -56,3 +56,4 @@ DHT = web.AppKey("dht", object)  # the hivemind.DHT bootstrap peer, when started
 MESH_VERSION = web.AppKey("mesh_version", object)  # coordinator.mesh.MeshVersion
 ADMIN_TOKEN = web.AppKey("admin_token", str)
 HEARTBEATS = web.AppKey("heartbeats", object)  # coordinator.heartbeats.HeartbeatBatcher
+METRICS = web.AppKey("metrics", object)  # coordinator.metrics.CoordinatorMetrics (its registry is per app)

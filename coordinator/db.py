@@ -119,7 +119,7 @@ class AssignmentRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
-    state: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16), index=True)  # the matcher and /metrics read the active ones
     shard_index: Mapped[int] = mapped_column(Integer)
     num_shards: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[float] = mapped_column(Float)
@@ -210,7 +210,8 @@ class Artifact(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
     name: Mapped[str] = mapped_column(String(64))
-    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
+    # The uploading node; None for an artifact the coordinator writes itself (the TensorBoard event file).
+    node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id"), nullable=True)
     sha256: Mapped[str] = mapped_column(String(64))
     size: Mapped[int] = mapped_column(BigInteger)  # bytes; max_artifact_bytes may be set above 2 GiB
     final: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -225,6 +226,28 @@ class JobEvent(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
     at: Mapped[float] = mapped_column(Float)
     message: Mapped[str] = mapped_column(Text)
+
+
+class JobProgress(Base):
+    """One point of a job's training curve: the first progress report that reached `global_step`.
+
+    Written by the heartbeats (coordinator/heartbeats.py) when a report moves the job's step forward, so a job has
+    at most one point per step. Read by GET /v1/jobs/{id}/progress and turned into the job's TensorBoard event file
+    (coordinator/tensorboard.py). The unique key also serves as the index of job_id: lookups by job (and by job and
+    step) use its leading column."""
+
+    __tablename__ = "job_progress"
+    __table_args__ = (UniqueConstraint("job_id", "global_step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
+    at: Mapped[float] = mapped_column(Float)  # the coordinator's clock when the report arrived
+    epoch: Mapped[float] = mapped_column(Float)
+    global_step: Mapped[int] = mapped_column(BigInteger)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    samples_per_second: Mapped[float] = mapped_column(Float)
+    peers: Mapped[int] = mapped_column(Integer)
 
 
 class Challenge(Base):

@@ -7,7 +7,8 @@ unknown node, a wrong key, a revoked node or a replayed nonce refuses that heart
 is written. A failure of the batch itself (the database) fails every heartbeat in it, and changes nothing.
 
 Also owns `end_job` and `lose_assignments`, the transitions a heartbeat (a failure report, going offline) shares
-with the HTTP handlers.
+with the HTTP handlers, and the job's progress history (`JobProgress`): one point per global step, the first report
+that reached it.
 """
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpuswarm.coordinator.challenge_schedule import challenge_due
 from gpuswarm.coordinator.config import CoordinatorConfig
-from gpuswarm.coordinator.db import AssignmentRow, Job, JobEvent, Node, SeenNonce
+from gpuswarm.coordinator.db import AssignmentRow, Job, JobEvent, JobProgress, Node, SeenNonce
 from gpuswarm.coordinator.errors import ApiError, Conflict, Forbidden, NotFound, Unauthorized
-from gpuswarm.proto.models import AssignmentState, Heartbeat, JobState, NodeState
+from gpuswarm.proto.models import AssignmentState, Heartbeat, JobState, NodeState, Progress
 from gpuswarm.proto.signing import MAX_CLOCK_SKEW, SignedEnvelope
 from sqlalchemy import select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+if TYPE_CHECKING:
+    from gpuswarm.coordinator.metrics import CoordinatorMetrics
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 512
@@ -48,8 +54,9 @@ class _Pending:
 
 
 class HeartbeatBatcher:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig):
-        self.sessions, self.config = sessions, config
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig,
+                 metrics: CoordinatorMetrics | None = None):
+        self.sessions, self.config, self.metrics = sessions, config, metrics
         self._queue: list[_Pending] = []
         self._queued = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -91,10 +98,14 @@ class HeartbeatBatcher:
             raise
         except Exception as e:  # the database failed: every heartbeat of the batch gets the error
             logger.exception("applying %d heartbeat(s) failed", len(batch))
+            if self.metrics is not None:
+                self.metrics.heartbeat_batch(len(batch), 0, failed=True)
             for p in batch:
                 if not p.future.done():
                     p.future.set_exception(e)
             return
+        if self.metrics is not None:
+            self.metrics.heartbeat_batch(len(batch), sum(isinstance(r, ApiError) for r in results))
         for p, result in zip(batch, results, strict=True):
             if p.future.done():
                 continue
@@ -111,6 +122,7 @@ async def apply_heartbeats(session: AsyncSession, items: list[tuple[SignedEnvelo
     nonces = [env.nonce for env, _ in items]
     seen = set((await session.scalars(select(SeenNonce.nonce).where(SeenNonce.nonce.in_(nonces)))).all())
     active: dict[str, dict[str, AssignmentRow]] = {}
+    points: set[tuple[str, int]] = set()  # (job, step) known to have its point, so one batch looks each up once
     for a in (await session.scalars(select(AssignmentRow).where(
             AssignmentRow.node_id.in_(node_ids), AssignmentRow.state == AssignmentState.ACTIVE.value))).all():
         active.setdefault(a.node_id, {})[a.job_id] = a
@@ -128,12 +140,13 @@ async def apply_heartbeats(session: AsyncSession, items: list[tuple[SignedEnvelo
         else:
             seen.add(envelope.nonce)
             session.add(SeenNonce(nonce=envelope.nonce, expires_at=envelope.timestamp + 2 * MAX_CLOCK_SKEW))
-            results.append(await _apply_one(session, node, hb, active.setdefault(node.id, {}), config, now))
+            results.append(await _apply_one(session, node, hb, active.setdefault(node.id, {}), config, now,
+                                            points))
     return results
 
 
 async def _apply_one(session: AsyncSession, node: Node, hb: Heartbeat, active: dict[str, AssignmentRow],
-                     config: CoordinatorConfig, now: float) -> Outcome:
+                     config: CoordinatorConfig, now: float, points: set[tuple[str, int]]) -> Outcome:
     was_online = node.online
     if was_online and now - node.last_seen <= config.node_timeout:
         node.online_seconds += now - node.last_seen  # uptime counts only gaps shorter than the timeout
@@ -148,8 +161,10 @@ async def _apply_one(session: AsyncSession, node: Node, hb: Heartbeat, active: d
         if job is None or job.state != JobState.RUNNING.value:
             continue
         if p.global_step >= job.global_step:
+            advanced = p.global_step > job.global_step
             job.epoch, job.global_step, job.accuracy, job.loss = p.epoch, p.global_step, p.accuracy, p.loss
             job.samples_per_second, job.peers = p.samples_per_second, p.peers
+            await _record_point(session, job.id, p, now, advanced, points)
     for f in hb.failures:
         assignment = active.pop(f.job_id, None)  # pop: one failure per assignment, however often it is listed
         if assignment is None:
@@ -167,6 +182,29 @@ async def _apply_one(session: AsyncSession, node: Node, hb: Heartbeat, active: d
         await lose_assignments(session, node.id, now, "node went offline")
         active.clear()
     return outcome
+
+
+async def _record_point(session: AsyncSession, job_id: str, p: Progress, now: float, advanced: bool,
+                        points: set[tuple[str, int]]) -> None:
+    """Append the job's progress point for `p.global_step`, unless that step has one already.
+
+    A report that moved the job's step forward is the first at its step. A report at the job's current step (other
+    members report the same step every heartbeat) adds a point only if there is none: the job's first report, at
+    step 0, or a job running since before the history existed."""
+    key = (job_id, p.global_step)
+    if key in points:
+        return
+    points.add(key)
+    if not advanced and await session.scalar(select(JobProgress.id).where(
+            JobProgress.job_id == job_id, JobProgress.global_step == p.global_step).limit(1)) is not None:
+        return
+    values = {"job_id": job_id, "at": now, "epoch": p.epoch, "global_step": p.global_step, "loss": p.loss,
+              "accuracy": p.accuracy, "samples_per_second": p.samples_per_second, "peers": p.peers}
+    # Another coordinator on the same database may have written this step meanwhile: keep its point, and do not
+    # fail the whole batch of heartbeats over it. (SQLite and PostgreSQL are the two supported databases.)
+    dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
+    await session.execute(dialect.insert(JobProgress).values(values).on_conflict_do_nothing(
+        index_elements=["job_id", "global_step"]))
 
 
 async def lose_assignments(session: AsyncSession, node_id: str, now: float, reason: str) -> None:

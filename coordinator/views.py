@@ -8,16 +8,18 @@ that fails validation half-way leaves the database as it was. Errors are raised 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from typing import Any, TypeVar
 
 from aiohttp import web
-from gpuswarm.coordinator import ledger, openapi, reputation
+from gpuswarm.coordinator import ledger, openapi, reputation, tensorboard
 from gpuswarm.coordinator.auth import check_owner, create_owner, current_owner, owner_of, require_admin
 from gpuswarm.coordinator.challenge_schedule import after_registration
 from gpuswarm.coordinator.config import ADVERTS, CONFIG, DHT_PEERS, HEARTBEATS, MESH_VERSION, SESSIONS, WAKE
@@ -28,6 +30,7 @@ from gpuswarm.coordinator.db import (
     Contribution,
     Job,
     JobEvent,
+    JobProgress,
     Node,
     Owner,
     remember_nonce,
@@ -77,6 +80,8 @@ logger = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 M = TypeVar("M", bound=BaseModel)
 ENVELOPE_HEADER = "X-Gpuswarm-Envelope"
+MAX_PROGRESS_POINTS = 5000  # per response of GET /v1/jobs/{id}/progress: the oldest, when a job has more
+MAX_STEP = 2**53  # proto's Count: no reported global_step is larger
 
 
 # ---------------------------------------------------------------------------------------------------- parsing
@@ -528,6 +533,34 @@ async def job_contributions(request: web.Request) -> web.Response:
         return web.json_response({"job_id": job.id, "contributions": await ledger.contributions(session, job.id)})
 
 
+def step_query(request: web.Request, name: str) -> int | None:
+    """An optional query parameter holding a global step: a whole number from 0 to 2**53 (400 otherwise)."""
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    if not re.fullmatch(r"[0-9]{1,16}", raw) or int(raw) > MAX_STEP:
+        raise BadRequest(f"{name} must be a global step: a whole number from 0 to {MAX_STEP}, not {raw[:40]!r}")
+    return int(raw)
+
+
+@routes.get("/v1/jobs/{job_id}/progress")
+@describe(auth="owner")
+async def job_progress(request: web.Request) -> web.Response:
+    """A job's training curve: one point per global step, oldest first (?after=STEP: only later steps). At most
+    5000 points; `truncated` is true when more follow (ask again with ?after= the last step)."""
+    async with request.app[SESSIONS]() as session:
+        job = await owned_job(request, session)
+        after = step_query(request, "after")
+        query = select(*tensorboard.POINT_COLUMNS).where(JobProgress.job_id == job.id)
+        if after is not None:
+            query = query.where(JobProgress.global_step > after)
+        rows = (await session.execute(
+            query.order_by(JobProgress.global_step).limit(MAX_PROGRESS_POINTS + 1))).all()
+    points = [dataclasses.asdict(tensorboard.Point(*row)) for row in rows[:MAX_PROGRESS_POINTS]]
+    return web.json_response({"job_id": job.id, "state": job.state, "points": points,
+                              "truncated": len(rows) > MAX_PROGRESS_POINTS})
+
+
 @routes.post("/v1/jobs/{job_id}/cancel")
 @describe(auth="owner")
 async def cancel_job(request: web.Request) -> web.Response:
@@ -560,6 +593,9 @@ async def upload_artifact(request: web.Request) -> web.Response:
     envelope, meta = check_envelope(header_json, "artifact", ArtifactMeta)
     if meta.job_id != request.match_info["job_id"] or meta.name != request.match_info["name"]:
         raise BadRequest("the signed job id and name do not match the URL")
+    if meta.name == tensorboard.ARTIFACT_NAME:
+        raise Forbidden(f"{meta.name} is written by the coordinator from the job's progress; nodes cannot upload it",
+                        code="reserved_artifact")
     if meta.size > config.max_artifact_bytes:
         raise PayloadTooLarge(f"artifact is {meta.size} bytes; the limit is {config.max_artifact_bytes}")
     if request.content_length is not None and request.content_length != meta.size:
@@ -618,13 +654,22 @@ async def upload_artifact(request: web.Request) -> web.Response:
 @routes.get("/v1/jobs/{job_id}/artifacts/{name}")
 @describe(auth="owner")
 async def download_artifact(request: web.Request) -> web.StreamResponse:
-    """Download an artifact (header X-Content-SHA256)."""
+    """Download an artifact (header X-Content-SHA256). tensorboard.tfevents: the job's progress as a TensorBoard
+    event file, stored when the job settles and rendered from the progress points until then."""
+    name = request.match_info["name"]
+    points = None
     async with request.app[SESSIONS]() as session:
         job = await owned_job(request, session)
-        artifact = await session.scalar(select(Artifact).where(Artifact.job_id == job.id,
-                                                               Artifact.name == request.match_info["name"]))
+        artifact = await session.scalar(select(Artifact).where(Artifact.job_id == job.id, Artifact.name == name))
+        if artifact is None and name == tensorboard.ARTIFACT_NAME:
+            points = await tensorboard.load_points(session, job.id)
+    if points is not None:
+        data = await tensorboard.render(points, time.time())
+        return web.Response(body=data, content_type="application/octet-stream", headers={
+            "X-Content-SHA256": hashlib.sha256(data).hexdigest(),
+            "Content-Disposition": f'attachment; filename="{name}"'})
     if artifact is None:
-        raise NotFound(f"job {job.id} has no artifact {request.match_info['name']!r}", code="unknown_artifact")
+        raise NotFound(f"job {job.id} has no artifact {name!r}", code="unknown_artifact")
     path = request.app[CONFIG].artifact_dir / job.id / artifact.name
     return web.FileResponse(path, headers={"X-Content-SHA256": artifact.sha256,
                                            "Content-Disposition": f'attachment; filename="{artifact.name}"'})

@@ -5,7 +5,8 @@ this node's `ContributionClaim` for an epoch (at most one per (job, node, epoch)
 all-reduce as the averager's gather data, and turning each finished round into a `RoundResult`: this node's claim
 first, then every groupmate's claim that verifies. A round that failed or was cancelled shares nothing and resets
 nothing; an epoch that ended without a successful round (the node stepped alone) yields a solo result. What
-happens to a result (an event on stdout, a report to the coordinator) is the caller's `on_round` callback.
+happens to a result (an event on stdout, a report to the coordinator) is the caller's `on_round` callback; a
+round that failed (not one hivemind cancelled) is told to the optional `on_failed` callback, for metrics.
 
 How it hooks into hivemind 1.1.12 (`hivemind.Optimizer(grad_averager_factory=attestor.averager_factory)`):
 - Gather data is serialised when a round is scheduled (`DecentralizedAverager.step`, averaging/averager.py:403-404)
@@ -177,13 +178,16 @@ def collect_claims(gathered: Any, own: SignedClaim, job_id: str, now: float | No
     return claims
 
 
-def _round_outcome(control: StepControl) -> Any:
-    """The gathered data of a finished round, or None if it failed or was cancelled."""
+def _round_outcome(control: StepControl) -> tuple[Any, BaseException | None]:
+    """(gathered data, None) of a round that succeeded, (None, error) of one that failed, (None, None) of one that
+    was cancelled: hivemind cancels a pre-scheduled round it skips (no other peer) or abandons at shutdown."""
+    if control.cancelled():
+        return None, None
     try:
-        return control.result(0)
+        return control.result(0), None
     except (Exception, asyncio.CancelledError) as e:
-        logger.debug("gradient round failed or was cancelled: %r", e)
-        return None
+        logger.debug("gradient round failed: %r", e)
+        return None, e
 
 
 class ClaimAttestor:
@@ -202,10 +206,12 @@ class ClaimAttestor:
         *,
         meter: ContributionMeter | None = None,
         inflate: float = 1.0,
+        on_failed: Callable[[int, BaseException], None] | None = None,
     ) -> None:
         if not (math.isfinite(inflate) and inflate > 0):
             raise ValueError(f"claim inflation factor must be a positive number, not {inflate}")
         self.private_key, self.job_id, self.peer_id, self.on_round = private_key, job_id, peer_id, on_round
+        self.on_failed = on_failed  # (epoch, error) of each round that failed; for metrics, must not raise
         self.node_id = node_id_for(public_key_b64(private_key.public_key()))
         self.meter = meter if meter is not None else ContributionMeter()
         self.inflate = inflate  # test-only fault injection: see gpuswarm.node.worker
@@ -265,30 +271,34 @@ class ClaimAttestor:
     def poll(self) -> None:
         """Report rounds that finished and epochs that ended alone. Cheap; call after every optimizer step."""
         results: list[RoundResult] = []
+        failures: list[tuple[int, BaseException]] = []
         with self._lock:
-            self._collect_finished(results)
+            self._collect_finished(results, failures)
             self._advance_epoch()
             self._resolve_closed(results)
-        self._deliver(results)
+        self._deliver(results, failures)
 
     def finish(self) -> None:
         """After the optimizer shut down: report what finished, and report an ended epoch whose round never
         finished as solo (its claim is already off the meter, so it must be reported somehow)."""
         results: list[RoundResult] = []
+        failures: list[tuple[int, BaseException]] = []
         with self._lock:
-            self._collect_finished(results)
+            self._collect_finished(results, failures)
             self._advance_epoch()
             self._pending = [(c, claim) for c, claim in self._pending if claim.epoch not in self._closed]
             self._resolve_closed(results)
-        self._deliver(results)
+        self._deliver(results, failures)
 
-    def _collect_finished(self, results: list[RoundResult]) -> None:
+    def _collect_finished(self, results: list[RoundResult], failures: list[tuple[int, BaseException]]) -> None:
         still_pending = []
         for control, claim in self._pending:
             if not control.done():
                 still_pending.append((control, claim))
                 continue
-            gathered = _round_outcome(control)
+            gathered, error = _round_outcome(control)
+            if error is not None:
+                failures.append((claim.epoch, error))
             if gathered is None:
                 continue  # a failed or cancelled round shares nothing and resets nothing
             if claim.epoch in self._reported:
@@ -336,7 +346,12 @@ class ClaimAttestor:
         if len(self._reported) > 4 * CLAIM_HISTORY:
             self._reported = set(sorted(self._reported)[-CLAIM_HISTORY:])
 
-    def _deliver(self, results: list[RoundResult]) -> None:
+    def _deliver(self, results: list[RoundResult], failures: list[tuple[int, BaseException]]) -> None:
+        for epoch, error in failures if self.on_failed is not None else ():
+            try:
+                self.on_failed(epoch, error)
+            except Exception:
+                logger.exception("the failed-round callback failed for epoch %d", epoch)
         for result in results:
             try:
                 self.on_round(result)

@@ -34,6 +34,10 @@ def start(
     listen_port: Annotated[int, typer.Option(help="WireGuard UDP port.")] = 51820,
     endpoint: Annotated[list[str] | None, typer.Option(help="HOST:PORT where peers can reach this node's "
                                                        "WireGuard (repeatable; default: local addresses).")] = None,
+    metrics_port: Annotated[int, typer.Option(min=0, max=65535, help="Serve Prometheus metrics at "
+                                              "http://METRICS_HOST:PORT/metrics (9465 is customary); 0: off.")] = 0,
+    metrics_host: Annotated[str, typer.Option(help="Address the metrics endpoint binds (it is unauthenticated: "
+                                              "keep it on loopback or a private network).")] = "127.0.0.1",
     log_level: LogLevel = "info",
     log_format: LogFormat = "text",
 ) -> None:
@@ -43,6 +47,7 @@ def start(
     from gpuswarm.node.gpu import probe
     from gpuswarm.node.identity import IdentityError, load_or_create
     from gpuswarm.node.meshlink import MeshUnavailable
+    from gpuswarm.node.metrics import MetricsUnavailable
 
     logs.configure(log_level, log_format, "node")
     try:
@@ -53,7 +58,8 @@ def start(
     if not mesh:
         log.warning("--no-mesh: hivemind traffic on %s is NOT encrypted (development only)", host)
     config = NodeConfig(coordinator_url=coordinator, state_dir=state_dir, host=host, price_per_gpu_hour=price,
-                        endpoints=[host], mesh=mesh, mesh_listen_port=listen_port, mesh_endpoints=endpoint or [])
+                        endpoints=[host], mesh=mesh, mesh_listen_port=listen_port, mesh_endpoints=endpoint or [],
+                        metrics_host=metrics_host, metrics_port=metrics_port)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -66,7 +72,7 @@ def start(
     code = 0
     try:
         asyncio.run(main())
-    except (MeshUnavailable, NodeRevoked) as e:
+    except (MeshUnavailable, MetricsUnavailable, NodeRevoked) as e:
         log.error("%s", e)
         code = 1
     # The daemon's own shutdown is bounded and done by now. A hivemind call that outlived its DHT can leave an

@@ -3,7 +3,8 @@
 Shaped like petals' server loop: `run()` waits on a stop event with a timeout, checks what it supervises, starts
 what is missing, and cleans up in `finally`. Side effects of a state change live in `enter_state`; the rules are
 `states.next_state`. The daemon talks to the coordinator through `client.CoordinatorClient` only, and the
-coordinator being down never stops training: claims wait in the outbox, the final model waits for upload.
+coordinator being down never stops training: claims wait in the outbox, the final model waits for upload. With
+`metrics_port` set it serves Prometheus metrics (`gpuswarm.node.metrics`) from a snapshot of its own state.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gpuswarm.node.challenge import Challenger
 from gpuswarm.node.client import CoordinatorUnavailable, Rejected
 from gpuswarm.node.identity import Identity
 from gpuswarm.node.meshlink import MeshLink, MeshUnavailable
+from gpuswarm.node.metrics import GpuReader, MeshPeerStats, MetricsServer, NodeMetrics, NodeSnapshot
 from gpuswarm.node.outbox import Outbox
 from gpuswarm.node.runner import JobRunner, RunningJob
 from gpuswarm.node.states import Facts, next_state
@@ -54,6 +56,8 @@ class NodeConfig:
     mesh: bool = False  # join the WireGuard mesh; hivemind then binds to the mesh address instead of `host`
     mesh_listen_port: int = 51820
     mesh_endpoints: list[str] = field(default_factory=list)  # candidates for peers; empty = this host's addresses
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0: no metrics endpoint
 
 
 @dataclass
@@ -88,12 +92,17 @@ class NodeDaemon:
         self._stopping: set[str] = set()  # jobs we stopped on purpose: their exit is not a failure
         self._stop_tasks: set[asyncio.Task] = set()
         self.challenger = Challenger(client, resources, identity.node_id)  # GPU challenge, when the coordinator asks
+        self.metrics = NodeMetrics(self.metrics_snapshot, GpuReader(enabled=bool(resources.gpus)), __version__)
+        self.metrics_server = MetricsServer(self.metrics, config.metrics_host, config.metrics_port) \
+            if config.metrics_port else None
 
     # ------------------------------------------------------------------------------------------------ loop
 
     async def run(self, stop: asyncio.Event) -> None:
         logger.info("node %s starting (coordinator %s, hivemind on %s)", self.identity.node_id,
                     self.config.coordinator_url, "the mesh address" if self.mesh else self.config.host)
+        if self.metrics_server is not None:
+            await self.metrics_server.start()  # MetricsUnavailable: stop before registering, and say why
         try:
             while not stop.is_set():
                 try:
@@ -105,7 +114,13 @@ class NodeDaemon:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=self.interval)
         finally:
-            await asyncio.wait_for(self.shutdown(), timeout=self.config.shutdown_timeout)
+            try:
+                await asyncio.wait_for(self.shutdown(), timeout=self.config.shutdown_timeout)
+            finally:
+                # Last, so that a scrape during the drain still sees the node stopping.
+                if self.metrics_server is not None:
+                    await self.metrics_server.stop()
+                self.metrics.close()
 
     async def step(self) -> None:
         if self.mesh is not None and self.registered:
@@ -216,11 +231,13 @@ class NodeDaemon:
             answer = await self.client.heartbeat(Heartbeat(node_id=self.identity.node_id, state=self.state,
                                                            progress=progress, failures=failures, peer_rtt_ms=rtts))
         except CoordinatorUnavailable as e:
+            self.metrics.heartbeat(ok=False)
             if self.reachable:
                 logger.warning("%s; training continues and reports are kept", e)
             self.reachable = False
             return
         except Rejected as e:
+            self.metrics.heartbeat(ok=False)
             self._raise_if_revoked(e)
             if e.code == "unknown_node":
                 logger.warning("the coordinator no longer knows this node; registering again")
@@ -228,6 +245,7 @@ class NodeDaemon:
             else:
                 logger.error("heartbeat refused: %s", e)
             return
+        self.metrics.heartbeat(ok=True)
         if not self.reachable:
             logger.info("coordinator reachable again")
         self.reachable = True
@@ -263,6 +281,7 @@ class NodeDaemon:
                 self._failures.append(AssignmentFailure(job_id=a.job_id, reason=f"could not start training: {e}"))
 
     def _on_event(self, job: RunningJob, event: dict) -> None:
+        self.metrics.observe(event)
         kind = event.get("event")
         if kind == "round":
             self.outbox.add(RoundReport(job_id=job.assignment.job_id, node_id=self.identity.node_id,
@@ -276,6 +295,26 @@ class NodeDaemon:
             p = job.progress
             logger.info("job %s epoch %.2f step %d accuracy %s peers %d", p.job_id, p.epoch, p.global_step,
                         "-" if p.accuracy is None else f"{p.accuracy:.4f}", p.peers)
+
+    # ------------------------------------------------------------------------------------------------ metrics
+
+    def metrics_snapshot(self) -> NodeSnapshot:
+        """What a scrape shows, read from the daemon's state as it is now (on the event loop: no races)."""
+        return NodeSnapshot(
+            node_id=self.identity.node_id, state=self.state, coordinator_reachable=self.reachable,
+            outbox_reports=self.outbox.depth(),
+            pending_uploads=len(self._uploads), training_jobs=len(self.runner.running),
+            progress=tuple(j.progress for j in self.runner.running.values() if j.progress is not None),
+            mesh_peers=self._mesh_peer_stats(),
+        )
+
+    def _mesh_peer_stats(self) -> tuple[MeshPeerStats, ...] | None:
+        if self.mesh is None:
+            return None
+        rtts = self.mesh.peer_rtts()
+        return tuple(MeshPeerStats(peer=node_id, received_bytes=status.rx_bytes, sent_bytes=status.tx_bytes,
+                                   latest_handshake=status.latest_handshake, rtt_ms=rtts.get(node_id))
+                     for node_id, status in sorted(self.mesh.device_peers().items()))
 
     async def _flush_uploads(self) -> None:
         for upload in list(self._uploads):

@@ -14,7 +14,8 @@ peer's endpoint and latest handshake from the device, lets `mesh.paths.next_path
 endpoint as a one-field per-peer update through the reconciler's `MeshAgent.apply` (never `replace_peers`, so sessions
 survive). The rules (try the next candidate after 6 s without a handshake or echo, keep the lowest RTT, re-check
 every 5 min, fail over after 3 lost echoes or 180 s without a handshake) and why are in `gpuswarm.mesh.paths`.
-Each peer's path state, chosen endpoint and RTT go into mesh.json; `peer_rtts()` gives the RTTs by node id.
+Each peer's path state, chosen endpoint and RTT go into mesh.json; `peer_rtts()` gives the RTTs by node id, and
+`device_peers()` the device's latest per-peer handshake and byte counters (for metrics).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from gpuswarm.mesh.paths import (
 )
 from gpuswarm.mesh.probe import icmp_rtts
 from gpuswarm.mesh.reconciler import ChangeKind, MeshAgent, PeerChange
-from gpuswarm.mesh.uapi import normalize_endpoint
+from gpuswarm.mesh.uapi import PeerStatus, normalize_endpoint
 from gpuswarm.proto.models import MeshConfig, MeshPeer, MeshRegistration
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class MeshLink:
         self._probing = True  # off when raw sockets are refused: paths are then judged by handshakes alone
         self._peers: dict[str, MeshPeer] = {}  # by WireGuard public key
         self._paths: dict[str, PathState] = {}
+        self._device_peers: dict[str, PeerStatus] = {}  # the path keeper's latest device read, by public key
         self._lock = asyncio.Lock()  # apply() and the path keeper both change peers' endpoints
         self._paths_task: asyncio.Task | None = None
         self._status_written = 0.0
@@ -125,6 +127,11 @@ class MeshLink:
         """{peer node id: RTT in ms over its settled path}, for the peers with a measured RTT."""
         return {self._peers[key].node_id: round(state.rtt_ms, 3) for key, state in self._paths.items()
                 if state.rtt_ms is not None and key in self._peers}
+
+    def device_peers(self) -> dict[str, PeerStatus]:
+        """{peer node id: the device's view of it (latest handshake, rx/tx bytes)} as of the path keeper's latest
+        read, at most `tick_s` old; read-only, for metrics."""
+        return {self._peers[key].node_id: status for key, status in self._device_peers.items() if key in self._peers}
 
     async def apply(self, config: MeshConfig) -> None:
         """Bring the interface up on first use (and start the path keeper), then make its peers exactly
@@ -212,6 +219,7 @@ class MeshLink:
         probed, rtts = await self._probe(due)
         async with self._lock:
             device = {p.public_key: p for p in (await asyncio.to_thread(self._backend.status)).peers}
+            self._device_peers = device
             now = time.time()
             for key, state in list(self._paths.items()):
                 peer, info = device.get(key), self._peers.get(key)

@@ -27,10 +27,17 @@ class Outbox:
     def add(self, report: RoundReport) -> None:
         write_private_file(self._path(report), report.model_dump_json().encode())
 
+    def _files(self) -> list[Path]:
+        return list(self.directory.glob("round-*.json"))
+
+    def depth(self) -> int:
+        """How many reports wait, without reading them (cheap enough for every metrics scrape)."""
+        return len(self._files())
+
     def pending(self) -> list[RoundReport]:
         """Every stored report, oldest round first."""
         reports = []
-        for path in self.directory.glob("round-*.json"):
+        for path in self._files():
             try:
                 reports.append(RoundReport.model_validate(json.loads(path.read_text())))
             except (OSError, ValueError) as e:

@@ -8,7 +8,8 @@ coordinator, so training goes on while the coordinator is down. Crashes here can
 Contribution accounting is peer-attested (`gpuswarm.node.attest`): in every gradient all-reduce round the node
 shares a claim signed with the daemon's key (`--key`, the daemon's identity file) through the averager's gather
 data, and emits one "round" event per round with the signed claims of its whole group, its own first. The daemon
-turns that into a RoundReport.
+turns that into a RoundReport. A round that failed gives a "round_failed" event, which only the daemon's metrics
+count.
 
 Test-only fault injection: GPUSWARM_FAULT_INFLATE_CLAIMS=<factor> multiplies the samples and compute seconds in this
 node's OWN claims (those it shares and those it reports), to play a lying node in end-to-end tests of the ledger.
@@ -127,6 +128,10 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, key_p
     def report_round(result: RoundResult) -> None:
         emit("round", job_id=a.job_id, epoch=result.epoch, solo=result.solo, claims=result.claims)
 
+    def report_failed_round(epoch: int, error: BaseException) -> None:
+        # For the daemon's metrics only: hivemind has already fallen back to this node's local gradients.
+        emit("round_failed", job_id=a.job_id, epoch=epoch, error=repr(error)[:200])
+
     dht = hivemind.DHT(
         initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
         record_validators=[NodeAdvertValidator()],
@@ -135,7 +140,8 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, key_p
     try:
         emit("ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
         wait_for_members(dht, a.run_id, a.node_id, spec.min_nodes, stop)
-        attestor = ClaimAttestor(identity.private_key, a.job_id, str(dht.peer_id), report_round, inflate=inflate)
+        attestor = ClaimAttestor(identity.private_key, a.job_id, str(dht.peer_id), report_round, inflate=inflate,
+                                 on_failed=report_failed_round)
         optimizer = hivemind.Optimizer(
             dht=dht, run_id=a.run_id, target_batch_size=workload.target_batch_size,
             batch_size_per_step=workload.batch_size, params=workload.model.parameters(),
