@@ -1,7 +1,7 @@
 """The job dashboard: a single web page the coordinator serves at /dashboard (and / redirects there).
 
 Owns the page's routes and the security headers they carry. The page itself is three static files shipped in the
-package (coordinator/dashboard/: index.html, dashboard.js, dashboard.css; plain JavaScript, no build step, charts
+package (coordinator/static/: index.html, dashboard.js, dashboard.css; plain JavaScript, no build step, charts
 drawn as inline SVG). It reads only the public /v1 API with the owner's token, so it has no privileges of its own
 and this module touches no database and no app state.
 
@@ -42,7 +42,7 @@ HEADERS = {
 
 def _read(name: str) -> bytes:
     # importlib.resources finds the files in a checkout, an editable install and a wheel alike.
-    return resources.files("gpuswarm.coordinator").joinpath("dashboard", name).read_bytes()
+    return resources.files("gpuswarm.coordinator").joinpath("static", name).read_bytes()
 
 
 BODIES = {name: _read(name) for name in (PAGE, *FILES)}  # read once: they ship with the package

@@ -17,7 +17,7 @@ from gpuswarm.coordinator.app import create_app
 from gpuswarm.coordinator.config import CoordinatorConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-STATIC = ROOT / "coordinator" / "dashboard"
+STATIC = ROOT / "coordinator" / "static"
 
 
 @pytest.fixture
@@ -91,5 +91,5 @@ def test_package_data_ships_every_dashboard_file():
     assert config["package-dir"]["gpuswarm.coordinator"] == "coordinator"
     patterns = config["package-data"]["gpuswarm.coordinator"]
     files = sorted(p.relative_to(ROOT / "coordinator").as_posix() for p in STATIC.iterdir() if p.is_file())
-    assert {"dashboard/index.html", "dashboard/dashboard.js", "dashboard/dashboard.css"} <= set(files)
+    assert {"static/index.html", "static/dashboard.js", "static/dashboard.css"} <= set(files)
     assert [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns)] == []
