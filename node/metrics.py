@@ -12,6 +12,7 @@ This module only reads: it never changes the daemon's state, and a failing GPU r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -136,10 +137,12 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
 
 
 class ScrapeCollector(Collector):
-    """Everything read at scrape time: the daemon's snapshot and the GPUs."""
+    """Everything read at scrape time: the daemon's snapshot and the GPUs (`gpu_samples`, when the scrape has read
+    them already, off the event loop)."""
 
     def __init__(self, snapshot: Callable[[], NodeSnapshot], gpus: GpuReader, version: str = __version__):
         self.snapshot, self.gpus, self.version = snapshot, gpus, version
+        self.gpu_samples: list[GpuSample] | None = None
 
     def describe(self) -> list[Metric]:
         return []  # names are not known without reading; the private registry needs no duplicate check
@@ -150,7 +153,7 @@ class ScrapeCollector(Collector):
         yield from self._training(s.progress)
         if s.mesh_peers is not None:
             yield from self._mesh(s.mesh_peers, time.time())
-        yield from self._gpus(self.gpus.read())
+        yield from self._gpus(self.gpu_samples if self.gpu_samples is not None else self.gpus.read())
 
     def _node(self, s: NodeSnapshot) -> Iterator[Metric]:
         info = _gauge("info", "This node's id and software version (always 1).", ["node_id", "version"])
@@ -248,7 +251,8 @@ class NodeMetrics:
             "successful round).", ["result"], registry=r)
         for result in ROUND_RESULTS:
             self.rounds.labels(result)  # present at 0 from the start, so rate() sees the first one
-        r.register(ScrapeCollector(snapshot, self.gpus, version))
+        self._scrape = ScrapeCollector(snapshot, self.gpus, version)
+        r.register(self._scrape)
         ProcessCollector(registry=r)
 
     def heartbeat(self, ok: bool) -> None:
@@ -264,10 +268,15 @@ class NodeMetrics:
         elif kind == "round_failed":
             self.rounds.labels("failed").inc()
 
-    def render(self, accept: str = "") -> tuple[bytes, str]:
-        """The exposition (Prometheus text, or OpenMetrics if `accept` asks for it) and its content type."""
+    def render(self, accept: str = "", gpus: list[GpuSample] | None = None) -> tuple[bytes, str]:
+        """The exposition (Prometheus text, or OpenMetrics if `accept` asks for it) and its content type. `gpus`:
+        readings taken beforehand; otherwise NVML is read now."""
         encoder, content_type = choose_encoder(accept)
-        return encoder(self.registry), content_type
+        self._scrape.gpu_samples = gpus
+        try:
+            return encoder(self.registry), content_type
+        finally:
+            self._scrape.gpu_samples = None
 
     def close(self) -> None:
         self.gpus.close()
@@ -301,7 +310,9 @@ class MetricsServer:
         logger.info("metrics at %s", self.url)
 
     async def _scrape(self, request: web.Request) -> web.Response:
-        body, content_type = self.metrics.render(request.headers.get("Accept", ""))
+        # NVML can block (a wedged GPU): read it in a thread, then render on the loop, where the daemon's state is.
+        gpus = await asyncio.get_running_loop().run_in_executor(None, self.metrics.gpus.read)
+        body, content_type = self.metrics.render(request.headers.get("Accept", ""), gpus)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def stop(self) -> None:
