@@ -90,12 +90,11 @@ async def _dht(app: web.Application) -> AsyncIterator[None]:
         app[DHT_PEERS] = []
         yield
         return
-    import hivemind
-    from gpuswarm.proto.dht import NodeAdvertValidator
+    from gpuswarm.proto.dht import NodeAdvertValidator, SwarmDHT
     from hivemind.dht.crypto import RSASignatureValidator
 
     loop = asyncio.get_running_loop()
-    dht = await loop.run_in_executor(None, lambda: hivemind.DHT(
+    dht = await loop.run_in_executor(None, lambda: SwarmDHT(
         host_maddrs=[f"/ip4/{config.dht_host}/tcp/{config.dht_port}"], start=True,
         # hivemind signs its progress records (RSASignatureValidator): a reader without it cannot decode them.
         record_validators=[NodeAdvertValidator(), RSASignatureValidator()],

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from gpuswarm.node.identity import Identity
-from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY, NodeAdvertValidator
+from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY, NodeAdvertValidator, SwarmDHT
 from gpuswarm.proto.models import NodeAdvert, NodeState, Resources
 
 logger = logging.getLogger(__name__)
@@ -33,13 +33,11 @@ class Advertiser:
 
     async def start(self, initial_peers: list[str]) -> None:
         """Start the DHT peer and the first declaration; raise if the DHT cannot start (the `_ready` contract)."""
-        import hivemind
-
         loop = asyncio.get_running_loop()
 
         def start_dht():
-            dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{self.host}/tcp/0"], start=False,
-                               record_validators=[NodeAdvertValidator()])
+            dht = SwarmDHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{self.host}/tcp/0"], start=False,
+                           record_validators=[NodeAdvertValidator()])
             dht.run_in_background(await_ready=False)
             try:  # bounded: a DHT process that never comes up must not stall the daemon's loop
                 dht.wait_until_ready(timeout=DHT_START_TIMEOUT)

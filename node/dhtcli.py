@@ -103,12 +103,11 @@ def resolve_initial_peers(initial_peers: list[str] | None, coordinator: str | No
 @contextlib.contextmanager
 def open_dht(initial_peers: list[str], timeout: float):
     """A client-mode DHT peer that validates (and so can decode) adverts and RSA-signed records; always shut down."""
-    import hivemind
-    from gpuswarm.proto.dht import NodeAdvertValidator
+    from gpuswarm.proto.dht import NodeAdvertValidator, SwarmDHT
     from hivemind.dht.crypto import RSASignatureValidator
 
     try:
-        dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=False, wait_timeout=min(timeout, 5.0),
+        dht = SwarmDHT(initial_peers=initial_peers, client_mode=True, start=False, wait_timeout=min(timeout, 5.0),
                            record_validators=[NodeAdvertValidator(), RSASignatureValidator()])
     except Exception as e:  # a malformed multiaddr
         raise DHTUnreachable(f"invalid --initial-peer: {e}") from None

@@ -112,7 +112,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, key_p
     import torch
     from gpuswarm.node.attest import ClaimAttestor, RoundResult
     from gpuswarm.node.workloads import build_workload
-    from gpuswarm.proto.dht import NodeAdvertValidator
+    from gpuswarm.proto.dht import NodeAdvertValidator, SwarmDHT
     from gpuswarm.proto.models import Assignment
 
     torch.set_num_threads(int(os.environ.get("GPUSWARM_TORCH_THREADS", "1")))
@@ -132,7 +132,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, key_p
         # For the daemon's metrics only: hivemind has already fallen back to this node's local gradients.
         emit("round_failed", job_id=a.job_id, epoch=epoch, error=repr(error)[:200])
 
-    dht = hivemind.DHT(
+    dht = SwarmDHT(
         initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
         record_validators=[NodeAdvertValidator()],
     )

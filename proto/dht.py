@@ -1,16 +1,22 @@
-"""DHT key names and the record validator that protects node adverts.
+"""DHT key names, the record validator that protects node adverts, and the DHT class every gpuswarm process uses.
 
 Each node keeps one advert under `NODES_KEY` with its node id as the subkey. The value is a signed envelope
 (kind "advert"); `NodeAdvertValidator` accepts it only if the signer's derived node id equals the subkey, the
 payload names that node, and the record does not outlive the expiry the node signed. So nobody can overwrite,
 or keep alive, another node's advert. Records under other keys (hivemind's own progress and averaging keys) are
 left to the validators that own them.
+
+`SwarmDHT` is hivemind's DHT, except that its process dies on SIGTERM: forked from a daemon that had installed its own
+SIGTERM handler (aiohttp's run_app, asyncio's add_signal_handler, the worker's stop flag), hivemind's DHT process
+inherited that handler and so ignored the SIGTERM of `DHT.shutdown`'s last resort, outliving its parent.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 
+import hivemind
 from gpuswarm.proto.models import NodeAdvert
 from gpuswarm.proto.signing import SignatureError, SignedEnvelope, verify
 from hivemind.dht.routing import DHTID
@@ -23,6 +29,12 @@ logger = logging.getLogger(__name__)
 NODES_KEY = "gpuswarm.nodes"
 ADVERT_KIND = "advert"
 EXPIRY_SLACK = 5.0  # seconds a record may outlive its signed expiry (clock skew between peers)
+
+
+class SwarmDHT(hivemind.DHT):
+    def run(self) -> None:  # in the forked DHT process
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        super().run()
 
 
 def job_run_id(job_id: str) -> str:

@@ -1,10 +1,12 @@
+import os
+import signal
 import time
 
 import hivemind
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gpuswarm.node.identity import Identity
-from gpuswarm.proto.dht import ADVERT_KIND, EXPIRY_SLACK, NODES_KEY, NodeAdvertValidator, decode_advert
+from gpuswarm.proto.dht import ADVERT_KIND, EXPIRY_SLACK, NODES_KEY, NodeAdvertValidator, SwarmDHT, decode_advert
 from gpuswarm.proto.models import NodeAdvert, NodeState, Resources
 from gpuswarm.proto.signing import SignatureError
 from hivemind.dht.routing import DHTID
@@ -149,3 +151,22 @@ def test_dht_peer_cannot_overwrite_another_nodes_advert():
         for dht in (dht_b, dht_a):
             if dht is not None:
                 dht.shutdown()
+
+
+@pytest.mark.parametrize("cls", [hivemind.DHT, SwarmDHT])
+def test_a_dht_process_forked_under_a_python_sigterm_handler_dies_on_sigterm_only_as_swarm_dht(cls):
+    """The daemons install SIGTERM handlers (aiohttp, asyncio, the worker) before they start a DHT; hivemind's own
+    DHT process inherits the handler and ignores SIGTERM, so it outlives a parent that gave up on it."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # what a daemon's own handler amounts to in a fork
+    try:
+        dht = cls(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    try:
+        os.kill(dht.pid, signal.SIGTERM)
+        dht.join(timeout=5)
+        assert dht.is_alive() == (cls is hivemind.DHT)
+    finally:
+        if dht.is_alive():
+            os.kill(dht.pid, signal.SIGKILL)
+            dht.join(timeout=5)
