@@ -6,14 +6,19 @@ payload names that node, and the record does not outlive the expiry the node sig
 or keep alive, another node's advert. Records under other keys (hivemind's own progress and averaging keys) are
 left to the validators that own them.
 
-`SwarmDHT` is hivemind's DHT, except that its process dies on SIGTERM: forked from a daemon that had installed its own
-SIGTERM handler (aiohttp's run_app, asyncio's add_signal_handler, the worker's stop flag), hivemind's DHT process
-inherited that handler and so ignored the SIGTERM of `DHT.shutdown`'s last resort, outliving its parent.
+`SwarmDHT` is hivemind's DHT, except that its process never outlives the process that started it. Forked from a
+daemon with a SIGTERM handler of its own (aiohttp's run_app, asyncio's add_signal_handler, the worker's stop flag),
+hivemind's DHT process inherited that handler, ignored the SIGTERM of `DHT.shutdown`'s last resort, and was found
+alive half an hour after its coordinator had exited. A SwarmDHT process ignores SIGTERM on purpose (a signal to
+the whole process group, from systemd or a terminal, is for its owner, which still needs the DHT to say goodbye),
+gets SIGKILL when its owner dies (PR_SET_PDEATHSIG), and `terminate`, the last resort, is SIGKILL.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 
 import hivemind
@@ -31,10 +36,23 @@ ADVERT_KIND = "advert"
 EXPIRY_SLACK = 5.0  # seconds a record may outlive its signed expiry (clock skew between peers)
 
 
+PR_SET_PDEATHSIG = 1
+
+
 class SwarmDHT(hivemind.DHT):
+    def __init__(self, *args, **kwargs):
+        self._owner_pid = os.getpid()  # before hivemind's __init__, which may start the process
+        super().__init__(*args, **kwargs)
+
     def run(self) -> None:  # in the forked DHT process
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != self._owner_pid:  # the owner died before prctl took effect
+            os._exit(1)
         super().run()
+
+    def terminate(self) -> None:  # hivemind's DHT.shutdown calls it when the process did not stop in time
+        self.kill()
 
 
 def job_run_id(job_id: str) -> str:

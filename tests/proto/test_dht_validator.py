@@ -1,8 +1,12 @@
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import hivemind
+import psutil
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gpuswarm.node.identity import Identity
@@ -153,20 +157,52 @@ def test_dht_peer_cannot_overwrite_another_nodes_advert():
                 dht.shutdown()
 
 
-@pytest.mark.parametrize("cls", [hivemind.DHT, SwarmDHT])
-def test_a_dht_process_forked_under_a_python_sigterm_handler_dies_on_sigterm_only_as_swarm_dht(cls):
-    """The daemons install SIGTERM handlers (aiohttp, asyncio, the worker) before they start a DHT; hivemind's own
-    DHT process inherits the handler and ignores SIGTERM, so it outlives a parent that gave up on it."""
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # what a daemon's own handler amounts to in a fork
-    try:
-        dht = cls(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+
+def test_swarm_dht_ignores_a_group_sigterm_and_terminate_kills_it():
+    """A SIGTERM to the whole process group is for the daemon, which still needs its DHT to say goodbye; the last
+    resort of DHT.shutdown (terminate) must still work."""
+    dht = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
         os.kill(dht.pid, signal.SIGTERM)
+        dht.join(timeout=2)
+        assert dht.is_alive()
+        dht.terminate()
         dht.join(timeout=5)
-        assert dht.is_alive() == (cls is hivemind.DHT)
+        assert not dht.is_alive()
     finally:
         if dht.is_alive():
             os.kill(dht.pid, signal.SIGKILL)
-            dht.join(timeout=5)
+
+
+OWNER = """
+import os, signal, sys
+from gpuswarm.proto.dht import SwarmDHT
+import hivemind
+signal.signal(signal.SIGTERM, lambda *_: None)  # a daemon's own handler, as aiohttp and asyncio install one
+dht = (SwarmDHT if sys.argv[1] == "swarm" else hivemind.DHT)(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+print(dht.pid, flush=True)
+os._exit(0)  # the owner dies without shutting its DHT down (a crash, a SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("kind", ["hivemind", "swarm"])
+def test_a_dht_process_dies_with_its_owner_only_as_swarm_dht(kind, tmp_path):
+    # Into a file, not a pipe: an orphaned DHT process would hold a pipe open for as long as it lives.
+    with open(tmp_path / "pid", "w") as out:
+        subprocess.run([sys.executable, "-c", OWNER, kind], stdout=out, stderr=subprocess.DEVNULL, timeout=120)
+    pid = int((tmp_path / "pid").read_text().split()[0])
+    try:
+        # hivemind's own DHT process outlives its owner (the bug SwarmDHT fixes); a SwarmDHT process does not.
+        assert wait_gone(pid) == (kind == "swarm"), (kind, pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def wait_gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.1)
+    return False
