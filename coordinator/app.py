@@ -2,8 +2,8 @@
 
 Owns the configuration, the `cleanup_ctx` steps (database, heartbeat batcher, DHT bootstrap peer, the supervisor
 loop) and the loop itself: marking silent nodes offline, losing their assignments, running the matcher, settling
-ended jobs, reading progress from the DHT, and forgetting expired nonces. Request handling lives in `views`; this
-module only wires things together.
+ended jobs, reading progress from the DHT, and forgetting expired nonces. Request handling lives in the `views`
+package; a job the matcher starts moves through `jobs.apply`. This module only wires things together.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
-from gpuswarm.coordinator import challenge, dashboard, ledger, migrate, reputation, tensorboard, views
+from gpuswarm.coordinator import challenge, dashboard, jobs, ledger, migrate, reputation, tensorboard, views
 from gpuswarm.coordinator.config import (
     ADMIN_TOKEN,
     ADVERTS,
@@ -90,7 +90,8 @@ async def _dht(app: web.Application) -> AsyncIterator[None]:
         app[DHT_PEERS] = []
         yield
         return
-    from gpuswarm.proto.dht import NodeAdvertValidator, SwarmDHT
+    from gpuswarm.dht.swarm import SwarmDHT
+    from gpuswarm.dht.validators import NodeAdvertValidator
     from hivemind.dht.crypto import RSASignatureValidator
 
     loop = asyncio.get_running_loop()
@@ -226,9 +227,9 @@ async def _lose_silent_nodes(session: AsyncSession, config: CoordinatorConfig, n
 
 
 async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -> list:
-    jobs = (await session.scalars(
+    open_jobs = (await session.scalars(
         select(Job).where(Job.state.in_([JobState.PENDING.value, JobState.RUNNING.value])))).all()
-    if not jobs:
+    if not open_jobs:
         return []
     active = (await session.scalars(
         select(AssignmentRow).where(AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
@@ -245,27 +246,26 @@ async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -
                            gpus_in_use=in_use.get(n.id, 0), verified=bool(n.verified),
                            reputation=reputation.score(record[n.id]), throughput=n.measured_gflops,
                            rtt_ms=n.peer_rtt_ms or {}) for n in nodes]
-    specs = {j.id: JobSpec.model_validate(j.spec) for j in jobs}
+    specs = {j.id: JobSpec.model_validate(j.spec) for j in open_jobs}
     balances: dict[str, int] = {}
-    for j in jobs:
+    for j in open_jobs:
         if j.state == JobState.PENDING.value and j.owner_id not in balances:
             balances[j.owner_id] = await ledger.balance(session, ledger.owner_account(j.owner_id))
     job_views = [JobView(j.id, specs[j.id], JobState(j.state), j.created_at, members=frozenset(members.get(j.id, ())),
                          active_shards=frozenset(shards.get(j.id, ())),
                          funded=j.state != JobState.PENDING.value
                          or balances[j.owner_id] >= ledger.micro(specs[j.id].budget))
-                 for j in jobs]
+                 for j in open_jobs]
     matches = match(job_views, node_views, now, liveness=config.node_timeout)
-    by_id = {j.id: j for j in jobs}
+    by_id = {j.id: j for j in open_jobs}
     taken = []
     for m in matches:
         job = by_id[m.job_id]
-        if job.state == JobState.PENDING.value:
+        if jobs.allows(job, jobs.Event.START):
             # Several pending jobs of one owner may look funded alone; the reservation is the real check.
             if not await ledger.reserve_budget(session, job, specs[job.id], now):
                 continue
-            job.state, job.started_at = JobState.RUNNING.value, now
-            session.add(JobEvent(job_id=job.id, at=now, message=f"running; budget {specs[job.id].budget} reserved"))
+            await jobs.apply(session, job, jobs.Event.START, now, f"running; budget {specs[job.id].budget} reserved")
         session.add(AssignmentRow(job_id=m.job_id, node_id=m.node_id, state=AssignmentState.ACTIVE.value,
                                   shard_index=m.shard_index, num_shards=m.num_shards, created_at=now, gpus=m.gpus,
                                   price_per_gpu_hour=m.price_per_gpu_hour))

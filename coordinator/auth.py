@@ -1,7 +1,11 @@
-"""Who may call what: job owners (API tokens), the admin (one token), and creating owner accounts.
+"""Who may call what: nodes (signed messages), job owners (API tokens), the admin (one token), and owner accounts.
 
-Owns token generation and hashing, the `Authorization: Bearer` parsing, and `create_owner`. Nodes are not here:
-they sign every request with their Ed25519 key (see `views.known_node`).
+Owns the one definition of an authentic node request, used by every node route (the heartbeat batcher included):
+`verify_signed` (no database: the envelope's signature, kind and freshness, and the payload speaks for its signer)
+and then `authenticate_node` (in the request's transaction: the node is registered, signed with its own key, is
+not revoked, and the nonce is new, which it records). `node_refusal` is the pure rule both it and the heartbeat
+batcher apply. Owns too token generation and hashing, the `Authorization: Bearer` parsing, `owned_job`, and
+`create_owner`.
 
 Tokens are 256-bit random strings; the database keeps only their SHA-256. A slow password hash (bcrypt, argon2)
 protects low-entropy secrets chosen by people; for random tokens a fast hash is as safe and costs nothing per
@@ -12,17 +16,97 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from dataclasses import dataclass
+from typing import Any, Generic
 
 from aiohttp import web
 from gpuswarm.coordinator.config import ADMIN_TOKEN, SESSIONS
-from gpuswarm.coordinator.db import Job, Owner
-from gpuswarm.coordinator.errors import Conflict, Forbidden, Unauthorized
+from gpuswarm.coordinator.db import Job, Node, Owner, SeenNonce, remember_nonce
+from gpuswarm.coordinator.errors import ApiError, Conflict, Forbidden, NotFound, Unauthorized
+from gpuswarm.coordinator.jobs import get_job
 from gpuswarm.coordinator.ledger import MINT, micro, owner_account, transfer
+from gpuswarm.coordinator.requests import M, parse, read_json
+from gpuswarm.proto.signing import MAX_CLOCK_SKEW, SignatureError, SignedEnvelope, verify
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 TOKEN_PREFIX = "gso_"
+
+
+# ---------------------------------------------------------------------------------------------------- nodes
+
+
+@dataclass(frozen=True)
+class NodeMessage(Generic[M]):
+    """A signed message whose signature, kind and freshness checked out, and whose payload's node is its signer.
+    Only `verify_signed` makes one; `authenticate_node` then checks the node against the database."""
+
+    envelope: SignedEnvelope
+    payload: M
+
+    @property
+    def node_id(self) -> str:
+        return self.payload.node_id
+
+    @property
+    def nonce_expires_at(self) -> float:
+        """Until when the nonce must be remembered: past it, the timestamp alone makes the message stale."""
+        return self.envelope.timestamp + 2 * MAX_CLOCK_SKEW
+
+
+def verify_signed(data: Any, kind: str, model: type[M]) -> NodeMessage[M]:
+    """The first half of node authentication (no database): a SignedEnvelope of `kind`, signed, fresh, whose
+    payload is a `model` naming the signer as its node (401 `bad_signature`, 422 for a malformed envelope)."""
+    envelope = parse(SignedEnvelope, data, "signed envelope")
+    try:
+        signer = verify(envelope, kind=kind)
+    except SignatureError as e:
+        raise Unauthorized(str(e), code="bad_signature") from None
+    payload = parse(model, envelope.payload, kind)
+    if payload.node_id != signer:
+        raise Unauthorized("the payload's node_id is not the signer's", code="bad_signature")
+    return NodeMessage(envelope, payload)
+
+
+async def read_signed(request: web.Request, kind: str, model: type[M], limit: int | None = None) -> NodeMessage[M]:
+    """`verify_signed` of the request's JSON body (at most `limit` bytes; default: the JSON cap)."""
+    return verify_signed(await read_json(request, limit), kind, model)
+
+
+def node_refusal(message: NodeMessage, node: Node | None, *, nonce_seen: bool) -> ApiError | None:
+    """The second half's rule, given what the database holds: why `message` is refused, or None. In this order:
+    unregistered (404), signed with another key (401), revoked (403), nonce seen before (409)."""
+    if node is None:
+        return NotFound(f"node {message.node_id} is not registered", code="unknown_node")
+    if node.public_key != message.envelope.public_key:
+        return Unauthorized("signed with a key that is not this node's", code="bad_signature")
+    if node.revoked:
+        return Forbidden(f"node {node.id} has been revoked", code="revoked")
+    if nonce_seen:
+        return Conflict("replayed message: this nonce was already used", code="replay")
+    return None
+
+
+async def authenticate_node(session: AsyncSession, message: NodeMessage, *, record_nonce: bool = True,
+                            registering: bool = False) -> Node | None:
+    """The second half of node authentication, in the caller's transaction: the node that sent `message`, after
+    `node_refusal`'s checks. Records the nonce, unless `record_nonce` is False (a read-only check ahead of slow
+    work; the request must authenticate again, recording it, in the transaction that writes). `registering`:
+    an unregistered node is allowed (None), since a registration is what makes it known."""
+    node = await session.get(Node, message.node_id)
+    if node is None and registering:
+        await remember_nonce(session, message.envelope.nonce, message.nonce_expires_at)
+        return None
+    seen = not record_nonce and await session.get(SeenNonce, message.envelope.nonce) is not None
+    if (refusal := node_refusal(message, node, nonce_seen=seen)) is not None:
+        raise refusal
+    if record_nonce:  # it looks for the nonce itself, and catches a concurrent copy of the request
+        await remember_nonce(session, message.envelope.nonce, message.nonce_expires_at)
+    return node
+
+
+# ---------------------------------------------------------------------------------------------------- owners
 
 
 def hash_token(token: str) -> str:
@@ -56,6 +140,14 @@ async def current_owner(request: web.Request, session: AsyncSession) -> Owner:
 def check_owner(job: Job, owner: Owner) -> None:
     if job.owner_id != owner.id:
         raise Forbidden(f"job {job.id} belongs to another owner", code="not_your_job")
+
+
+async def owned_job(request: web.Request, session: AsyncSession) -> Job:
+    """The job named in the URL, if the request's owner token is its owner's (401/403/404 otherwise)."""
+    owner = await current_owner(request, session)
+    job = await get_job(session, request.match_info["job_id"])
+    check_owner(job, owner)
+    return job
 
 
 async def owner_of(request: web.Request) -> Owner:

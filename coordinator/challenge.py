@@ -3,7 +3,8 @@
 Owns /v1/challenges (start, commit, proof) and GET /v1/nodes/{node_id}/challenges, and records each result on the
 node: `verified`, the pass/fail counters, `measured_gflops`, `last_challenge_at` and the next challenge time. The
 protocol and its checks live in `gpuswarm.proto.challenge`; when a node is due, in `challenge_schedule`; the heartbeat
-answer carries the "due" flag (`views.heartbeat`). Checking a proof is O(n^2) and runs in a worker thread, at most
+answer carries the "due" flag (`views.nodes.heartbeat`). Nodes authenticate like on every node route
+(`auth.read_signed`, `auth.authenticate_node`). Checking a proof is O(n^2) and runs in a worker thread, at most
 VERIFY_CONCURRENCY at a time, never on the event loop. Matching is not this module's: the matcher reads
 `Node.verified`.
 
@@ -21,19 +22,13 @@ import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from gpuswarm.coordinator import views
+from gpuswarm.coordinator.auth import authenticate_node, read_signed
 from gpuswarm.coordinator.challenge_schedule import challenge_due, next_challenge_time
 from gpuswarm.coordinator.config import CONFIG, SESSIONS, CoordinatorConfig
-from gpuswarm.coordinator.db import Challenge, Node, SeenNonce
-from gpuswarm.coordinator.errors import (
-    BadRequest,
-    Conflict,
-    Forbidden,
-    NotFound,
-    Unauthorized,
-    Unprocessable,
-)
-from gpuswarm.coordinator.openapi import describe
+from gpuswarm.coordinator.db import Challenge, Node
+from gpuswarm.coordinator.errors import BadRequest, Conflict, Forbidden, NotFound, Unprocessable
+from gpuswarm.coordinator.openapi import describe, respond
+from gpuswarm.proto.api import NodeChallenges
 from gpuswarm.proto.challenge import (
     COMMIT_KIND,
     MAX_PROOF_BYTES,
@@ -142,15 +137,15 @@ def _check(seed: str, n: int, root: str, r_seed: str, rows: list[int], proof: Ch
 
 
 @routes.post("/v1/challenges")
-@describe(auth="node", body=ChallengeStart, signed=START_KIND)
+@describe(auth="node", body=ChallengeStart, signed=START_KIND, response=ChallengeIssue, status=201)
 async def start_challenge(request: web.Request) -> web.Response:
     """Start the GPU challenge a heartbeat answer asked for; the clock runs from this answer to the commitment.
 
     An open challenge of the same node is abandoned (and counts as failed): a restarted node asks again."""
-    envelope, start = await views.read_signed(request, START_KIND, ChallengeStart)
+    message = await read_signed(request, START_KIND, ChallengeStart)
     config = request.app[CONFIG]
     async with request.app[SESSIONS].begin() as session:
-        node = await views.known_node(session, envelope, start.node_id)
+        node = await authenticate_node(session, message)
         now = time.time()
         still_open = await open_challenge(session, node.id)
         if still_open is None and not challenge_due(node, now, busy=False):
@@ -170,19 +165,20 @@ async def start_challenge(request: web.Request) -> web.Response:
     issue = ChallengeIssue(challenge_id=row.id, node_id=node.id, seed=row.seed, n=n, device_class=device.name,
                            time_limit=row.time_limit, issued_at=row.issued_at,
                            deadline=row.issued_at + row.time_limit)
-    return web.json_response(issue.model_dump(mode="json"), status=201)
+    return respond(issue, status=201)
 
 
 @routes.post("/v1/challenges/{challenge_id}/commit")
-@describe(auth="node", body=ChallengeCommit, signed=COMMIT_KIND)
+@describe(auth="node", body=ChallengeCommit, signed=COMMIT_KIND, response=CommitAnswer)
 async def commit_challenge(request: web.Request) -> web.Response:
     """Commit to C's rows (a Merkle root). In time: the answer reveals r and the rows to open. Late: the answer is
     the final result (failed)."""
-    envelope, commit = await views.read_signed(request, COMMIT_KIND, ChallengeCommit)
+    message = await read_signed(request, COMMIT_KIND, ChallengeCommit)
+    commit = message.payload
     same_path_id(request, commit.challenge_id)
     now, config = time.time(), request.app[CONFIG]
     async with request.app[SESSIONS].begin() as session:
-        node = await views.known_node(session, envelope, commit.node_id)
+        node = await authenticate_node(session, message)
         row = await owned_challenge(session, commit.challenge_id, node.id, lock=True)
         if row.state == REVEALED:
             raise Conflict(f"challenge {row.id} is already committed", code="already_committed")
@@ -201,29 +197,21 @@ async def commit_challenge(request: web.Request) -> web.Response:
             answer = CommitAnswer(challenge_id=row.id, reveal=ChallengeReveal(
                 challenge_id=row.id, r_seed=row.r_seed, rows=row.rows,
                 proof_deadline=now + config.challenge_proof_timeout))
-    return web.json_response(answer.model_dump(mode="json"))
+    return respond(answer)
 
 
 @routes.post("/v1/challenges/{challenge_id}/proof")
-@describe(auth="node", body=ChallengeProof, signed=PROOF_KIND)
+@describe(auth="node", body=ChallengeProof, signed=PROOF_KIND, response=ChallengeResult)
 async def prove_challenge(request: web.Request) -> web.Response:
     """Answer the reveal: C·r and the opened rows with Merkle paths. Returns the result; a wrong answer fails the
     challenge and unverifies the node. Bodies up to 2 MiB (proto.challenge.MAX_PROOF_BYTES)."""
-    envelope, proof = views.check_envelope(await views.read_json(request, MAX_PROOF_BYTES), PROOF_KIND,
-                                           ChallengeProof)
+    message = await read_signed(request, PROOF_KIND, ChallengeProof, MAX_PROOF_BYTES)
+    proof = message.payload
     same_path_id(request, proof.challenge_id)
     config = request.app[CONFIG]
     # Cheap, read-only checks first: only the challenged node, with a fresh nonce, gets its proof checked.
     async with request.app[SESSIONS]() as session:
-        node = await session.get(Node, proof.node_id)
-        if node is None:
-            raise NotFound(f"node {proof.node_id} is not registered", code="unknown_node")
-        if node.public_key != envelope.public_key:
-            raise Unauthorized("signed with a key that is not this node's", code="bad_signature")
-        if node.revoked:
-            raise Forbidden(f"node {node.id} has been revoked", code="revoked")
-        if await session.get(SeenNonce, envelope.nonce) is not None:
-            raise Conflict("replayed message: this nonce was already used", code="replay")
+        node = await authenticate_node(session, message, record_nonce=False)
         row = await owned_challenge(session, proof.challenge_id, node.id)
         if row.state == ISSUED:
             raise Conflict(f"challenge {row.id} has no commitment yet: commit first", code="not_committed")
@@ -242,7 +230,7 @@ async def prove_challenge(request: web.Request) -> web.Response:
             raise Unprocessable(f"malformed proof: {e}", code="bad_proof") from None
     now = time.time()
     async with request.app[SESSIONS].begin() as session:
-        node = await views.known_node(session, envelope, proof.node_id)
+        node = await authenticate_node(session, message)
         row = await owned_challenge(session, proof.challenge_id, node.id, lock=True)
         if row.state != REVEALED:  # another request or the sweep ended it while we were checking
             raise Conflict(f"challenge {row.id} is over ({row.state}: {row.reason})", code="challenge_closed")
@@ -256,11 +244,11 @@ async def prove_challenge(request: web.Request) -> web.Response:
                       f"({row.measured_gflops:.0f} GFLOPS measured)")
         finish(row, node, passed=passed, reason=reason, config=config, now=now)
         result = result_of(row, node)
-    return web.json_response(result.model_dump(mode="json"))
+    return respond(result)
 
 
 @routes.get("/v1/nodes/{node_id}/challenges")
-@describe(auth="anyone")
+@describe(auth="anyone", response=NodeChallenges)
 async def node_challenges(request: web.Request) -> web.Response:
     """A node's verification standing and its latest GPU challenges, newest first."""
     node_id = request.match_info["node_id"]
@@ -270,7 +258,7 @@ async def node_challenges(request: web.Request) -> web.Response:
             raise NotFound(f"node {node_id} is not registered", code="unknown_node")
         rows = (await session.scalars(select(Challenge).where(Challenge.node_id == node_id)
                                       .order_by(Challenge.issued_at.desc()).limit(HISTORY))).all()
-    return web.json_response({
+    return respond(NodeChallenges, {
         "node_id": node.id, "verified": bool(node.verified), "challenges_passed": node.challenges_passed or 0,
         "challenges_failed": node.challenges_failed or 0, "measured_gflops": node.measured_gflops,
         "last_challenge_at": node.last_challenge_at, "next_challenge_at": node.next_challenge_at,

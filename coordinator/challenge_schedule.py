@@ -2,7 +2,7 @@
 
 Owns the scheduling columns of `db.Node` (`next_challenge_at`, and `verified` going back to False when a node
 re-registers with other resources). Pure functions over a Node row and the config; no queries. It is apart from
-`coordinator.challenge` (the endpoints) so that `views` can call it without an import cycle.
+`coordinator.challenge` (the endpoints) so that `views.nodes` can call it without an import cycle.
 
 `next_challenge_at` is None while a challenge is open: the node is not asked again until that one ends.
 """

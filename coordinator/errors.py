@@ -2,7 +2,9 @@
 
 Handlers and queries raise `ApiError` subclasses deep down; `error_middleware` maps them, and every other failure
 (malformed JSON, validation errors, oversized bodies, unknown routes, bugs) to the same JSON shape:
-{"error": {"code": "...", "message": "...", "details": [...]}}.
+{"error": {"code": "...", "message": "...", "details": [...]}}. A validation error's details are
+`proto.strict.error_details`' (the full key path in `field`; for an unknown key, the key meant when one is close:
+"budgett: unknown key; did you mean 'budget'?"), the same words the job owner's CLI prints for a bad job file.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+from gpuswarm.proto.strict import error_details
 from pydantic import ValidationError
 
 logger = logging.getLogger(__name__)
@@ -66,7 +69,8 @@ def error_body(code: str, message: str, details: list | None = None) -> dict:
 
 
 def validation_details(error: ValidationError) -> list[dict]:
-    return [{"field": ".".join(str(p) for p in e["loc"]), "message": e["msg"]} for e in error.errors()][:20]
+    """Up to 20 `{"field": "stop.max_epochs", "message": "..."}`, one per invalid or unknown key."""
+    return error_details(error)[:20]
 
 
 @web.middleware

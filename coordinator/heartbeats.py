@@ -4,11 +4,12 @@ Owns `HeartbeatBatcher`: handlers hand it verified heartbeats and await their re
 that queued up meanwhile in ONE transaction (one SELECT of the nodes, one of the nonces, one of the active
 assignments, one commit), instead of one transaction per heartbeat. Each heartbeat still gets its own answer: an
 unknown node, a wrong key, a revoked node or a replayed nonce refuses that heartbeat alone, before anything of it
-is written. A failure of the batch itself (the database) fails every heartbeat in it, and changes nothing.
+is written: the same checks as every node request (`auth.node_refusal`), applied to the batch's rows. A failure of
+the batch itself (the database) fails every heartbeat in it, and changes nothing.
 
-Also owns `end_job` and `lose_assignments`, the transitions a heartbeat (a failure report, going offline) shares
-with the HTTP handlers, and the job's progress history (`JobProgress`): one point per global step, the first report
-that reached it.
+Also owns `lose_assignments`, which going offline shares with the admin's revocation, and the job's progress
+history (`JobProgress`): one point per global step, the first report that reached it. A job that fails on node
+failures moves through `jobs.apply`, like every job state change.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gpuswarm.coordinator import jobs
+from gpuswarm.coordinator.auth import NodeMessage, node_refusal
 from gpuswarm.coordinator.challenge_schedule import challenge_due
 from gpuswarm.coordinator.config import CoordinatorConfig
 from gpuswarm.coordinator.db import AssignmentRow, Job, JobEvent, JobProgress, Node, SeenNonce
-from gpuswarm.coordinator.errors import ApiError, Conflict, Forbidden, NotFound, Unauthorized
+from gpuswarm.coordinator.errors import ApiError
 from gpuswarm.proto.models import AssignmentState, Heartbeat, JobState, NodeState, Progress
-from gpuswarm.proto.signing import MAX_CLOCK_SKEW, SignedEnvelope
 from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -48,8 +50,7 @@ class Outcome:
 
 @dataclass
 class _Pending:
-    envelope: SignedEnvelope
-    heartbeat: Heartbeat
+    message: NodeMessage[Heartbeat]
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -72,8 +73,9 @@ class HeartbeatBatcher:
         for item in self._queue:
             item.future.cancel()
 
-    async def submit(self, envelope: SignedEnvelope, heartbeat: Heartbeat) -> Outcome:
-        item = _Pending(envelope, heartbeat)
+    async def submit(self, message: NodeMessage[Heartbeat]) -> Outcome:
+        """Apply a heartbeat whose signature `auth.verify_signed` checked; raises its refusal (an ApiError)."""
+        item = _Pending(message)
         self._queue.append(item)
         self._queued.set()
         return await item.future
@@ -90,8 +92,7 @@ class HeartbeatBatcher:
         results: list[Outcome | ApiError] = []
         try:
             async with self.sessions.begin() as session:
-                results = await apply_heartbeats(session, [(p.envelope, p.heartbeat) for p in batch], self.config,
-                                                 time.time())
+                results = await apply_heartbeats(session, [p.message for p in batch], self.config, time.time())
         except asyncio.CancelledError:
             for p in batch:
                 p.future.cancel()
@@ -115,11 +116,11 @@ class HeartbeatBatcher:
                 p.future.set_result(result)
 
 
-async def apply_heartbeats(session: AsyncSession, items: list[tuple[SignedEnvelope, Heartbeat]],
+async def apply_heartbeats(session: AsyncSession, items: list[NodeMessage[Heartbeat]],
                            config: CoordinatorConfig, now: float) -> list[Outcome | ApiError]:
-    node_ids = {hb.node_id for _, hb in items}
+    node_ids = {m.node_id for m in items}
     nodes = {n.id: n for n in (await session.scalars(select(Node).where(Node.id.in_(node_ids)))).all()}
-    nonces = [env.nonce for env, _ in items]
+    nonces = [m.envelope.nonce for m in items]
     seen = set((await session.scalars(select(SeenNonce.nonce).where(SeenNonce.nonce.in_(nonces)))).all())
     active: dict[str, dict[str, AssignmentRow]] = {}
     points: set[tuple[str, int]] = set()  # (job, step) known to have its point, so one batch looks each up once
@@ -127,21 +128,15 @@ async def apply_heartbeats(session: AsyncSession, items: list[tuple[SignedEnvelo
             AssignmentRow.node_id.in_(node_ids), AssignmentRow.state == AssignmentState.ACTIVE.value))).all():
         active.setdefault(a.node_id, {})[a.job_id] = a
     results: list[Outcome | ApiError] = []
-    for envelope, hb in items:
-        node = nodes.get(hb.node_id)
-        if node is None:
-            results.append(NotFound(f"node {hb.node_id} is not registered", code="unknown_node"))
-        elif node.public_key != envelope.public_key:
-            results.append(Unauthorized("signed with a key that is not this node's", code="bad_signature"))
-        elif node.revoked:
-            results.append(Forbidden(f"node {node.id} has been revoked", code="revoked"))
-        elif envelope.nonce in seen:
-            results.append(Conflict("replayed message: this nonce was already used", code="replay"))
+    for message in items:
+        node = nodes.get(message.node_id)
+        if (refusal := node_refusal(message, node, nonce_seen=message.envelope.nonce in seen)) is not None:
+            results.append(refusal)
         else:
-            seen.add(envelope.nonce)
-            session.add(SeenNonce(nonce=envelope.nonce, expires_at=envelope.timestamp + 2 * MAX_CLOCK_SKEW))
-            results.append(await _apply_one(session, node, hb, active.setdefault(node.id, {}), config, now,
-                                            points))
+            seen.add(message.envelope.nonce)
+            session.add(SeenNonce(nonce=message.envelope.nonce, expires_at=message.nonce_expires_at))
+            results.append(await _apply_one(session, node, message.payload, active.setdefault(node.id, {}), config,
+                                            now, points))
     return results
 
 
@@ -174,9 +169,9 @@ async def _apply_one(session: AsyncSession, node: Node, hb: Heartbeat, active: d
         job = await session.get(Job, f.job_id)
         job.failures += 1
         session.add(JobEvent(job_id=job.id, at=now, message=f"node {node.id} failed: {f.reason[-300:]}"))
-        if job.failures >= config.max_job_failures and not JobState(job.state).is_final:
-            job.error = f.reason[-2000:]
-            await end_job(session, job, JobState.FAILED, now, f"failed after {job.failures} node failures")
+        if job.failures >= config.max_job_failures and jobs.allows(job, jobs.Event.TOO_MANY_FAILURES):
+            await jobs.apply(session, job, jobs.Event.TOO_MANY_FAILURES, now,
+                             f"failed after {job.failures} node failures", error=f.reason[-2000:])
     outcome.challenge = hb.state is not NodeState.OFFLINE and challenge_due(node, now, busy=bool(active))
     if hb.state is NodeState.OFFLINE:
         await lose_assignments(session, node.id, now, "node went offline")
@@ -214,13 +209,3 @@ async def lose_assignments(session: AsyncSession, node_id: str, now: float, reas
         a.state, a.ended_at, a.reason = AssignmentState.LOST.value, now, reason
         session.add(JobEvent(job_id=a.job_id, at=now, message=f"node {node_id}: {reason}"))
 
-
-async def end_job(session: AsyncSession, job: Job, state: JobState, now: float, message: str) -> None:
-    """Move a job to a final state and close its active assignments."""
-    job.state, job.finished_at = state.value, now
-    closing = AssignmentState.CANCELLED if state is JobState.CANCELLED else AssignmentState.FINISHED
-    rows = (await session.scalars(select(AssignmentRow).where(
-        AssignmentRow.job_id == job.id, AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
-    for a in rows:
-        a.state, a.ended_at, a.reason = closing.value, now, message
-    session.add(JobEvent(job_id=job.id, at=now, message=message))

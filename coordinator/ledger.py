@@ -1,7 +1,10 @@
-"""The money side: accounts, escrow, crediting peer-attested claims, paying nodes, and statements.
+"""The money side: accounts, escrow, the round ingest, crediting peer-attested claims, paying nodes, statements.
 
-Owns the double-entry ledger (`db.LedgerEntry`, integer micro-credits), the escrow rule and the credit rule. It
-does not parse requests or know HTTP; views call it inside their transaction.
+Owns the double-entry ledger (`db.LedgerEntry`, integer micro-credits), the escrow rule, the credit rule, and the
+round ingest (`verify_claims`, then `ingest_round`: the claim rows `db.Contribution`, their attestations, crediting
+and paying what can be, and failing the job through `jobs.apply` when its budget runs out). It does not know
+HTTP (claims are validated with `requests.parse`; refusals are `errors.ApiError`s); the views call it inside their
+transaction, after authenticating the reporting node.
 
 Escrow: a job's budget moves from its owner to `escrow:JOB` when the job starts. Each credited claim pays its
 node `credited hours x GPUs x the assignment's clearing price` (the node's ask: a pay-as-bid reverse
@@ -28,9 +31,14 @@ from __future__ import annotations
 import secrets
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 
-from gpuswarm.coordinator.db import AssignmentRow, Attestation, Contribution, Job, LedgerEntry, Node
-from gpuswarm.proto.models import JobSpec
+from gpuswarm.coordinator import jobs
+from gpuswarm.coordinator.db import AssignmentRow, Attestation, Contribution, Job, JobEvent, LedgerEntry, Node
+from gpuswarm.coordinator.errors import Unprocessable
+from gpuswarm.coordinator.requests import parse
+from gpuswarm.proto.models import CLAIM_KIND, ContributionClaim, JobSpec, RoundReport
+from gpuswarm.proto.signing import MAX_CLOCK_SKEW, SignatureError, SignedEnvelope, verify
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -38,6 +46,7 @@ MICRO = 1_000_000
 THROUGHPUT_SLACK = 3.0  # a member may do this much more than its round's median peer (per GFLOP/s) unflagged
 DHT_EPOCH_MARGIN = 5  # epochs a claim may run ahead of the DHT's progress records (they are read every 5 s)
 MINT = "mint"
+BUDGET_EXHAUSTED = "budget exhausted"  # the ledger event of a payment the escrow could not cover
 
 
 def micro(credits: float) -> int:
@@ -85,6 +94,88 @@ async def reserve_budget(session: AsyncSession, job: Job, spec: JobSpec, now: fl
     await transfer(session, owner_account(job.owner_id), escrow_account(job.id), amount, "reserve", now,
                    job_id=job.id, memo="budget reserved at start")
     return True
+
+
+# ---------------------------------------------------------------------------------------------------- round ingest
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """A claim of a round report that was not recorded: its node is not a member of the job, or it is another's."""
+
+    node_id: str
+    epoch: int
+    reason: str
+
+
+def verify_claims(report: RoundReport, now: float) -> list[tuple[SignedEnvelope, ContributionClaim]]:
+    """The report's claims, each a valid claim signed by its node (422 `bad_claim` or `invalid` otherwise: one bad
+    claim refuses the whole report). The report must hold its reporter's own claim; a solo report only that."""
+    claims: list[tuple[SignedEnvelope, ContributionClaim]] = []
+    for i, raw in enumerate(report.claims):
+        claim_envelope = parse(SignedEnvelope, raw, f"claim {i}")
+        try:
+            signer = verify(claim_envelope, kind=CLAIM_KIND, max_skew=float("inf"))  # may be buffered for long
+        except SignatureError as e:
+            raise Unprocessable(f"claim {i}: {e}", code="bad_claim") from None
+        claim = parse(ContributionClaim, claim_envelope.payload, f"claim {i}")
+        if claim.node_id != signer:
+            raise Unprocessable(f"claim {i} is not signed by node {claim.node_id}", code="bad_claim")
+        if claim.window_end > now + MAX_CLOCK_SKEW:
+            raise Unprocessable(f"claim {i}: its window ends in the future", code="bad_claim")
+        claims.append((claim_envelope, claim))
+    own = [c for _, c in claims if c.node_id == report.node_id and c.job_id == report.job_id]
+    if not own:
+        raise Unprocessable("a round report must include the reporter's own claim", code="bad_claim")
+    if report.solo and len(claims) != 1:
+        raise Unprocessable("a solo round report holds exactly one claim", code="bad_claim")
+    return claims
+
+
+async def ingest_round(session: AsyncSession, job: Job, report: RoundReport,
+                       claims: list[tuple[SignedEnvelope, ContributionClaim]],
+                       now: float) -> tuple[list[Contribution], list[Ignored]]:
+    """Record a member's report of one round (claims from `verify_claims`) and credit what can be credited.
+
+    Claims by nodes that are not members of the job, or for another job, are ignored (a peer's bad gather data
+    must not void an honest report). Each other member's claim the reporter passes on is attested by it. The
+    same claim reported again is the same row, and the same attestation is not added twice. Returns the rows of
+    the recorded claims, in the report's order, and the ignored ones."""
+    await jobs.require_member(session, job, report.node_id)
+    members = set((await session.scalars(select(AssignmentRow.node_id).where(
+        AssignmentRow.job_id == job.id))).all())
+    results: list[Contribution] = []
+    ignored: list[Ignored] = []
+    for claim_envelope, claim in claims:
+        if claim.job_id != job.id or claim.node_id not in members:
+            ignored.append(Ignored(claim.node_id, claim.epoch,
+                                   "not a member of this job" if claim.job_id == job.id else "another job"))
+            continue
+        row = await session.scalar(select(Contribution).where(
+            Contribution.job_id == job.id, Contribution.node_id == claim.node_id,
+            Contribution.epoch == claim.epoch, Contribution.signature == claim_envelope.signature))
+        if row is None:
+            row = Contribution(**claim.model_dump(exclude={"peer_id"}), solo=report.solo,
+                               signature=claim_envelope.signature, received_at=now,
+                               envelope=claim_envelope.model_dump(mode="json"), status="pending")
+            session.add(row)
+            await session.flush()
+        if claim.node_id != report.node_id:
+            seen = await session.scalar(select(Attestation.id).where(
+                Attestation.claim_id == row.id, Attestation.attester == report.node_id))
+            if seen is None:
+                session.add(Attestation(claim_id=row.id, attester=report.node_id, at=now))
+        results.append(row)
+    await session.flush()
+    waiting = set((await session.scalars(select(Contribution.epoch).where(
+        Contribution.job_id == job.id, Contribution.status == "pending").distinct())).all())
+    events = await credit_epochs(session, job, waiting | {r.epoch for r in results}, now)
+    for message in dict.fromkeys(events):
+        session.add(JobEvent(job_id=job.id, at=now, message=message))
+    if BUDGET_EXHAUSTED in events and jobs.allows(job, jobs.Event.BUDGET_EXHAUSTED):
+        await jobs.apply(session, job, jobs.Event.BUDGET_EXHAUSTED, now, "failed: budget exhausted",
+                         error="the job's budget is spent")
+    return results, ignored
 
 
 # ---------------------------------------------------------------------------------------------------- crediting
@@ -191,7 +282,7 @@ async def _pay(session: AsyncSession, job: Job, claim: Contribution, assignments
                    job_id=job.id, memo=f"epoch {claim.epoch}: {claim.credited_seconds:.1f} s x "
                                        f"{assignment.gpus} x {assignment.price_per_gpu_hour}/h")
     if claim.paid < owed:
-        return ["budget exhausted"]
+        return [BUDGET_EXHAUSTED]
     return []
 
 

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuswarm.coordinator.db import Artifact, JobProgress
+from gpuswarm.proto.models import TENSORBOARD_ARTIFACT
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 
-ARTIFACT_NAME = "tensorboard.tfevents"
+ARTIFACT_NAME = TENSORBOARD_ARTIFACT
 SCALARS = ("loss", "accuracy", "samples_per_second", "peers", "epoch")
 
 

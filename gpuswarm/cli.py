@@ -8,10 +8,12 @@ import sys
 
 import typer
 
-from gpuswarm.coordinator.cli import coordinator_app, job_app, nodes_app
+from gpuswarm.client.jobcli import job_app
+from gpuswarm.client.nodescli import nodes_app
+from gpuswarm.coordinator.cli import coordinator_app
+from gpuswarm.dht.cli import dht_app
 from gpuswarm.mesh.cli import mesh_app
 from gpuswarm.node.cli import node_app
-from gpuswarm.node.dhtcli import dht_app
 
 app = typer.Typer(help="gpuswarm: a peer-to-peer GPU marketplace.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)

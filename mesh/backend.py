@@ -1,9 +1,14 @@
 """Mesh backends: one small interface (`MeshBackend`) over the two ways to run a WireGuard interface.
 
-- `UserspaceBackend` spawns `wireguard-go -f IFACE` as a supervised child (foreground: its self-daemonising mode
+- `UserspaceBackend` spawns `wireguard-go -f IFACE` as a child process (foreground: its self-daemonising mode
   failed on our machines), waits for its UAPI socket, configures it through `gpuswarm.mesh.uapi` (incremental per
   peer, never `replace_peers`), and sets the address and link state with pyroute2 (netlink, no `ip` commands).
   It works inside a network namespace: everything it does acts on the namespace the process runs in.
+  If wireguard-go exits on its own, nothing restarts it: its TUN device, and so the interface, go with it;
+  `is_running()` turns False, and every later call but `down()` raises BackendError with the exit code and the
+  tail of wireguard-go's output. The node daemon (`gpuswarm.node.meshlink`) logs those errors and retries its
+  calls, but does not bring the interface back: the node is off the mesh until the daemon restarts. No
+  supervisor rebuilds it yet.
 - `KernelBackend` drives the in-kernel WireGuard through pyroute2's netlink support. Minimal, and NOT exercised
   by the test suite: the development and CI machines have no wireguard kernel module.
 
@@ -183,7 +188,8 @@ class MeshBackend(abc.ABC):
 
     @abc.abstractmethod
     def is_running(self) -> bool:
-        """Whether the interface is up (a supervisor rebuilds it when this turns False)."""
+        """Whether the interface is up. For wireguard-go, False once the process has exited; nothing in gpuswarm
+        polls this yet, so a dead interface is noticed only by the next call's BackendError."""
 
     def __enter__(self) -> MeshBackend:
         return self
@@ -193,7 +199,8 @@ class MeshBackend(abc.ABC):
 
 
 class UserspaceBackend(MeshBackend):
-    """wireguard-go as a supervised child process, configured over its UAPI socket.
+    """wireguard-go as a child process, configured over its UAPI socket; see the module docstring for what
+    happens when it exits.
 
     The child's output goes to a temporary file whose tail is quoted in errors; its log level is "error" unless
     the environment sets GPUSWARM_WG_LOG_LEVEL (wireguard-go knows "verbose", "error" and "silent")."""

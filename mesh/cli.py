@@ -8,18 +8,17 @@ and byte counts. A peer whose RTT the daemon has not measured gets one ICMP echo
 from __future__ import annotations
 
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from gpuswarm.console import console, fail, print_json
+
 mesh_app = typer.Typer(help="Inspect this node's WireGuard mesh.", no_args_is_help=True)
-console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _size(n: int) -> str:
@@ -51,13 +50,11 @@ def status(
     try:
         saved = json.loads((state_dir / "mesh.json").read_text())
     except (OSError, ValueError):
-        typer.echo(f"error: no mesh state in {state_dir} (is the node running with the mesh?)", err=True)
-        raise typer.Exit(1) from None
+        raise fail(f"no mesh state in {state_dir} (is the node running with the mesh?)") from None
     try:
         device = UAPIClient.for_interface(saved["interface"]).get()
     except UAPIError as e:
-        typer.echo(f"error: interface {saved['interface']} does not answer: {e}", err=True)
-        raise typer.Exit(1) from None
+        raise fail(f"interface {saved['interface']} does not answer: {e}") from None
     known = saved.get("peers", {})
 
     def path_of(key: str) -> dict:
@@ -86,7 +83,7 @@ def status(
               "cidr": saved["cidr"], "listen_port": device.listen_port, "public_key": device.public_key,
               "peers": peers}
     if as_json:
-        typer.echo(json.dumps(result, indent=2))
+        print_json(result)
         return
     console.print(f"interface [bold]{result['interface']}[/bold] ({result['backend']})  address {result['address']}"
                   f"  network {result['cidr']}  port {result['listen_port']}  key {result['public_key']}")

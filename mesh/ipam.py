@@ -1,7 +1,7 @@
 """Mesh address management (IPAM): which mesh address each node's WireGuard public key gets. Pure; no I/O.
 
-The state is plain JSON-able data that the caller (the coordinator) persists; every function takes the state and
-`now` explicitly and returns a new state, leaving its argument untouched. Rules:
+The state is plain JSON-able data that the caller (the coordinator) persists; every function that changes it takes
+the state and `now` explicitly and returns a new state, leaving its argument untouched. Rules:
 
 - The default network is 10.77.0.0/16: private (RFC 1918), 65,534 usable addresses, and away from the ranges
   home routers, Docker (172.17.0.0/16, 192.168.0.0/16 pools) and cloud VPCs (10.0.0.0/16, 10.1.0.0/16, ...) tend to

@@ -2,7 +2,7 @@
 
 Like petals' announcer, it re-declares every `ttl / 3` seconds, warns when a declaration took longer than the
 period, and says goodbye with an OFFLINE advert on shutdown. The advert is signed with the node's identity and
-checked by `proto.dht.NodeAdvertValidator` on every peer that stores it.
+checked by `gpuswarm.dht.validators.NodeAdvertValidator` on every peer that stores it.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from gpuswarm.dht.swarm import SwarmDHT
+from gpuswarm.dht.validators import NodeAdvertValidator
 from gpuswarm.node.identity import Identity
-from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY, NodeAdvertValidator, SwarmDHT
+from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY
 from gpuswarm.proto.models import NodeAdvert, NodeState, Resources
 
 logger = logging.getLogger(__name__)

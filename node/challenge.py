@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from gpuswarm.node.client import CoordinatorUnavailable, Rejected
+from gpuswarm.client.api import CoordinatorUnavailable, Rejected
 from gpuswarm.proto import challenge as proto
+from gpuswarm.proto.api import HeartbeatAnswer
 from gpuswarm.proto.challenge import (
     ChallengeCommit,
     ChallengeIssue,
@@ -159,7 +160,10 @@ class Challenger:
         return self._task is not None and not self._task.done()
 
     def on_heartbeat(self, response: object) -> None:
-        """Start a challenge when the heartbeat's answer asks for one and none is running."""
+        """Start a challenge when the heartbeat's answer (a HeartbeatAnswer, or its JSON) asks for one and none is
+        running."""
+        if isinstance(response, HeartbeatAnswer):
+            response = response.model_dump()
         if isinstance(response, dict) and response.get("challenge") is True and not self.running:
             self._task = asyncio.create_task(self._run_logged(), name="gpu-challenge")
 

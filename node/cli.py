@@ -1,4 +1,8 @@
-"""The node's command group: `gpuswarm node start`, `gpuswarm node id`, `gpuswarm node evaluate`."""
+"""The node's command group: `gpuswarm node start`, `gpuswarm node id`, `gpuswarm node evaluate`.
+
+`start` and `evaluate` need the gpuswarm[node] install (torch, hivemind, ...): their imports are inside them, so
+`gpuswarm --help` and the other groups work without it, and a missing extra is named when they run.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from typing import Annotated
 import typer
 from gpuswarm.proto import logs
 from gpuswarm.proto.logs import LogFormat, LogLevel
+
+from gpuswarm.console import needs_extra
 
 log = logging.getLogger("gpuswarm.node")
 node_app = typer.Typer(help="Run a GPU node daemon.", no_args_is_help=True)
@@ -42,12 +48,14 @@ def start(
     log_format: LogFormat = "text",
 ) -> None:
     """Register with the coordinator, advertise this machine in the DHT, and train assigned jobs until SIGTERM."""
-    from gpuswarm.node.client import CoordinatorClient
-    from gpuswarm.node.daemon import NodeConfig, NodeDaemon, NodeRevoked
-    from gpuswarm.node.gpu import probe
+    from gpuswarm.client.api import CoordinatorClient
     from gpuswarm.node.identity import IdentityError, load_or_create
-    from gpuswarm.node.meshlink import MeshUnavailable
-    from gpuswarm.node.metrics import MetricsUnavailable
+
+    with needs_extra("node"):
+        from gpuswarm.node.daemon import NodeConfig, NodeDaemon, NodeRevoked
+        from gpuswarm.node.gpu import probe
+        from gpuswarm.node.meshlink import MeshUnavailable
+        from gpuswarm.node.metrics import MetricsUnavailable
 
     logs.configure(log_level, log_format, "node")
     try:
@@ -102,8 +110,9 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Load a saved model and measure its accuracy on the workload's fixed test split."""
-    import torch
-    from gpuswarm.node.workloads import IMPLEMENTATIONS
+    with needs_extra("node"):
+        import torch
+        from gpuswarm.node.workloads import IMPLEMENTATIONS
 
     try:
         saved = torch.load(model, map_location="cpu", weights_only=True)

@@ -2,7 +2,7 @@
 
 Shaped like petals' server loop: `run()` waits on a stop event with a timeout, checks what it supervises, starts
 what is missing, and cleans up in `finally`. Side effects of a state change live in `enter_state`; the rules are
-`states.next_state`. The daemon talks to the coordinator through `client.CoordinatorClient` only, and the
+`states.next_state`. The daemon talks to the coordinator through `gpuswarm.client.api.CoordinatorClient` only, and the
 coordinator being down never stops training: claims wait in the outbox, the final model waits for upload. With
 `metrics_port` set it serves Prometheus metrics (`gpuswarm.node.metrics`) from a snapshot of its own state.
 """
@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuswarm.client.api import CoordinatorUnavailable, Rejected
 from gpuswarm.node.advertiser import Advertiser
 from gpuswarm.node.challenge import Challenger
-from gpuswarm.node.client import CoordinatorUnavailable, Rejected
 from gpuswarm.node.identity import Identity
 from gpuswarm.node.meshlink import MeshLink, MeshUnavailable
 from gpuswarm.node.metrics import GpuReader, MeshPeerStats, MetricsServer, NodeMetrics, NodeSnapshot
@@ -340,9 +340,9 @@ class NodeDaemon:
                     return  # transient from our side (clock skew, rate limit): keep it
                 logger.error("round report %s epoch %d refused, dropping it: %s", report.job_id, report.epoch, e)
             else:
-                for item in result.get("ignored", []):
+                for item in result.ignored:
                     logger.warning("the coordinator ignored a claim of node %s in %s epoch %d: %s",
-                                   item.get("node_id"), report.job_id, report.epoch, item.get("reason"))
+                                   item.node_id, report.job_id, report.epoch, item.reason)
             self.outbox.ack(report)
 
     # ------------------------------------------------------------------------------------------------ shutdown

@@ -1,4 +1,5 @@
-"""What this machine offers: GPUs through torch.cuda (and nvidia-ml-py when installed), else CPU cores and RAM."""
+"""What this machine offers: its GPUs (through nvidia-ml-py when installed and working, else torch.cuda), its CPU
+cores and its RAM."""
 
 from __future__ import annotations
 

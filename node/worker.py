@@ -110,9 +110,10 @@ def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
 def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, key_path: Path) -> int:
     import hivemind
     import torch
+    from gpuswarm.dht.swarm import SwarmDHT
+    from gpuswarm.dht.validators import NodeAdvertValidator
     from gpuswarm.node.attest import ClaimAttestor, RoundResult
     from gpuswarm.node.workloads import build_workload
-    from gpuswarm.proto.dht import NodeAdvertValidator, SwarmDHT
     from gpuswarm.proto.models import Assignment
 
     torch.set_num_threads(int(os.environ.get("GPUSWARM_TORCH_THREADS", "1")))

@@ -1,10 +1,10 @@
 """The GPU challenge: a timed matrix product that shows a node has the compute its claimed device promises.
 
 Owns the wire models of the challenge endpoints, the matrices both sides derive from a seed, the Merkle commitment
-to the product's rows, the exact Freivalds checks, and the device-class table with its time bound. Pure: numpy and
-hashlib only, no I/O and no clock. The node multiplies (torch, `gpuswarm.node.challenge`); the coordinator keeps
-the state and the time (`gpuswarm.coordinator.challenge`). Why it is built this way, and what it does not prove:
-docs/decisions/0006-gpu-challenge.md.
+to the product's rows, the exact Freivalds checks, and the device-class table with its time bound. Pure (numpy,
+hashlib and pydantic): no I/O and no clock. The node multiplies (torch, `gpuswarm.node.challenge`); the
+coordinator keeps the state and the time (`gpuswarm.coordinator.challenge`). Why it is built this way, and what it
+does not prove: docs/decisions/0006-gpu-challenge.md.
 
 1. start: the coordinator issues (challenge_id, seed, n, time_limit) and starts its clock.
 2. The node derives A and B (n x n, entries in {-1, 0, 1}) from the seed and computes C = A @ B in float32. That

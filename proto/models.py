@@ -1,17 +1,33 @@
 """Wire models: everything a node, the coordinator and a job owner say to each other.
 
-Models are strict and bounded (no NaN, no negative counts, capped lengths and list sizes) and ignore unknown
-extra fields, so that a newer peer can still talk to an older one. Validation errors are the caller's to map.
+Fields are bounded (no NaN, no negative counts, capped lengths and list sizes). What nodes and the coordinator say
+to each other (`WireModel`) ignores unknown extra fields, so that a newer peer can still talk to an older one, and
+pydantic's lax mode still coerces its types. What job owners and operators send (`JobSpec` with its `StopRule` and
+`Requirements`, `NewOwner`, `CreditAdjustment`) is strict instead (`proto.strict.OwnerModel`): an unknown key or a
+wrong type is an error naming the key, so that `budgett = 5` is refused rather than silently dropped. A job spec
+relayed onward to a node in its `Assignment` is read as `RelayedJobSpec`, which drops the
+keys this version does not know. Validation errors are the caller's to map (`proto.strict.error_details`).
 """
 
 from __future__ import annotations
 
 import enum
 import re
+from functools import partial
 from typing import Annotated, Any
 
+from gpuswarm.proto.strict import OwnerModel, drop_unknown_keys
 from gpuswarm.proto.workloads import WORKLOADS, validate_hyperparameters
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 NODE_ID_PATTERN = r"^[0-9a-f]{16}$"
 JOB_ID_PATTERN = r"^j-[0-9a-f]{12}$"
@@ -26,8 +42,15 @@ Multiaddr = Annotated[str, StringConstraints(min_length=4, max_length=512, patte
 Credits = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
 
 
+# The header of an artifact upload that carries its signed ArtifactMeta (the body is the raw bytes).
+ENVELOPE_HEADER = "X-Gpuswarm-Envelope"
+# The artifact the coordinator itself renders from a job's progress history; nodes cannot upload it.
+TENSORBOARD_ARTIFACT = "tensorboard.tfevents"
+
+
 class WireModel(BaseModel):
-    """Base for every wire model: immutable, and unknown fields ignored so that mixed versions still talk.
+    """Base for what nodes and the coordinator say to each other: immutable, and unknown fields ignored so that
+    mixed versions still talk. (What owners and operators send is strict: `proto.strict.OwnerModel`.)
 
     Bounds (ranges, lengths, no NaN) are strict; pydantic's lax mode still turns "1.5" into 1.5, which is
     harmless once the value is in range."""
@@ -127,14 +150,14 @@ class NodeAdvert(WireModel):
     expires_at: NonNegFloat
 
 
-class Requirements(WireModel):
+class Requirements(OwnerModel):
     min_gpu_memory_gb: NonNegFloat = 0.0
     gpu_models: list[ShortText] = Field(default_factory=list, max_length=32)
     allow_cpu: bool = True
     verified_only: bool = False  # only nodes that passed the GPU challenge
 
 
-class StopRule(WireModel):
+class StopRule(OwnerModel):
     """Training stops at whichever comes first. At least one of the two must be set."""
 
     target_accuracy: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
@@ -147,8 +170,8 @@ class StopRule(WireModel):
         return self
 
 
-class JobSpec(WireModel):
-    """What a job owner submits."""
+class JobSpec(OwnerModel):
+    """What a job owner submits (strict: unknown keys and wrong types are errors)."""
 
     name: Annotated[str, StringConstraints(max_length=128)] = ""
     workload: ShortText
@@ -183,6 +206,11 @@ class JobSpec(WireModel):
         return self
 
 
+# A job spec as the coordinator relays it to a node in its Assignment: the keys a
+# newer coordinator added are dropped rather than refused, so that mixed versions still talk.
+RelayedJobSpec = Annotated[JobSpec, BeforeValidator(partial(drop_unknown_keys, JobSpec))]
+
+
 class JobState(enum.StrEnum):
     PENDING = "pending"
     RUNNING = "running"
@@ -215,7 +243,7 @@ class Assignment(WireModel):
     node_id: NodeId
     state: AssignmentState
     job_state: JobState
-    spec: JobSpec
+    spec: RelayedJobSpec
     run_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     shard_index: Annotated[int, Field(ge=0)]
     num_shards: Annotated[int, Field(ge=1)]
@@ -309,14 +337,14 @@ class ArtifactMeta(WireModel):
     epoch: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
 
 
-class NewOwner(WireModel):
+class NewOwner(OwnerModel):
     """Admin: create a job owner's account."""
 
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.@-]{1,64}$")]
     credits: Credits = 0.0
 
 
-class CreditAdjustment(WireModel):
+class CreditAdjustment(OwnerModel):
     """Admin: grant (positive) or withdraw (negative) credits."""
 
     amount: Annotated[float, Field(ge=-1e12, le=1e12, allow_inf_nan=False)]

@@ -1,21 +1,21 @@
 """The catalogue of built-in workloads and their hyper-parameter schemas.
 
 The coordinator rejects a job whose workload is not listed here, and normalises its hyper-parameters with the
-workload's schema; the node's runner implements each listed workload. Adding a workload means a schema here and
-an implementation in `gpuswarm.node.workloads`.
+workload's schema (both through `proto.models.JobSpec`); the node's training process runs each listed workload.
+Adding a workload means a schema here and an implementation in `gpuswarm.node.workloads`. Schemas are strict
+(`proto.strict.OwnerModel`): an unknown hyper-parameter or a wrong type ("64" for an int) is an error naming it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from gpuswarm.proto.strict import OwnerModel
+from pydantic import BaseModel, Field
 
 
-class DigitsMLPParams(BaseModel):
+class DigitsMLPParams(OwnerModel):
     """A two-layer perceptron on scikit-learn's 8x8 digits, trained with Adam and hivemind gradient averaging."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     hidden: Annotated[int, Field(ge=8, le=4096)] = 128
     learning_rate: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.02

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from gpuswarm.proto.api import JobDetail, JobInfo, JobStatement, NodeInfo
+from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
@@ -29,6 +31,12 @@ from meshswarm import MeshSwarm  # noqa: E402
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
 PRICES = [0.5, 0.6, 0.7]  # the nodes' asks, credits per GPU-hour (a CPU node counts as one GPU)
 BUDGET = 5.0
+
+
+def typed(model: type[BaseModel], value):
+    """The API's answer as its model (proto.api), whether the swarm's client returned the model (LocalSwarm, the
+    Python client) or its JSON (MeshSwarm, the CLI inside the lab's namespace)."""
+    return value if isinstance(value, model) else model.model_validate(value)
 
 
 def main() -> int:
@@ -63,19 +71,19 @@ def main() -> int:
             console.print(f"coordinator up at {swarm.url}")
             for k, i in enumerate(indices):
                 swarm.start_node(i, price=PRICES[k % len(PRICES)])
-            nodes = swarm.wait_for_nodes(args.nodes)
+            nodes = [typed(NodeInfo, n) for n in swarm.wait_for_nodes(args.nodes)]
             console.print(f"{len(nodes)} nodes registered: " + ", ".join(
-                n["id"] + (f" (mesh {n['mesh_address']})" if n.get("mesh_address") else "") for n in nodes))
+                n.id + (f" (mesh {n.mesh_address})" if n.mesh_address else "") for n in nodes))
 
             spec = {"name": "demo-digits", "workload": "digits-mlp", "min_nodes": 2, "max_nodes": args.nodes,
                     "max_price_per_gpu_hour": 1.0, "budget": BUDGET,
                     "stop": {"target_accuracy": args.target_accuracy, "max_epochs": 60}}
-            job = swarm.client.submit_job(spec)
-            console.print(f"submitted job [bold]{job['id']}[/bold]: digits-mlp, target test accuracy "
+            job = typed(JobInfo, swarm.client.submit_job(spec))
+            console.print(f"submitted job [bold]{job.id}[/bold]: digits-mlp, target test accuracy "
                           f"{args.target_accuracy}, 2-{args.nodes} nodes, bid 1.0/GPU-hour, budget {BUDGET}")
-            job = follow(swarm, job["id"], args.timeout)
-            if job["state"] != "completed":
-                console.print(f"[red]job ended {job['state']}[/red]: {job['error'] or ''}")
+            job = follow(swarm, job.id, args.timeout)
+            if job.state != "completed":
+                console.print(f"[red]job ended {job.state}[/red]: {job.error or ''}")
                 return 1
             if mesh_missing is None:
                 status = lab.exec(indices[0], [sys.executable, "-m", "gpuswarm.cli", "mesh", "status", "--state-dir",
@@ -105,63 +113,63 @@ def mesh_unavailable() -> str | None:
     return netlab.unavailable_reason()
 
 
-def follow(swarm, job_id: str, timeout: float) -> dict:
+def follow(swarm, job_id: str, timeout: float) -> JobDetail:
     deadline = time.monotonic() + timeout
     seen_events, last_step = 0, -1
     while True:
-        job = swarm.client.job(job_id)
-        for event in job["events"][seen_events:]:
-            console.print(f"  [dim]{time.strftime('%H:%M:%S', time.localtime(event['at']))}[/dim] {event['message']}")
-        seen_events = len(job["events"])
-        p = job["progress"]
-        if p["global_step"] != last_step and job["state"] == "running" and p["accuracy"] is not None:
-            last_step = p["global_step"]
-            console.print(f"  training: epoch {p['epoch']:5.2f}  step {p['global_step']:3d}  test accuracy "
-                          f"{p['accuracy']:.4f}  loss {p['loss']:.4f}  peers in run {p['peers']}  "
-                          f"{p['samples_per_second']:.0f} samples/s per node")
-        if job["state"] in ("completed", "failed", "cancelled"):
+        job = typed(JobDetail, swarm.client.job(job_id))
+        for event in job.events[seen_events:]:
+            console.print(f"  [dim]{time.strftime('%H:%M:%S', time.localtime(event.at))}[/dim] {event.message}")
+        seen_events = len(job.events)
+        p = job.progress
+        if p.global_step != last_step and job.state == "running" and p.accuracy is not None:
+            last_step = p.global_step
+            console.print(f"  training: epoch {p.epoch:5.2f}  step {p.global_step:3d}  test accuracy "
+                          f"{p.accuracy:.4f}  loss {p.loss:.4f}  peers in run {p.peers}  "
+                          f"{p.samples_per_second:.0f} samples/s per node")
+        if job.state.is_final:
             return job
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} did not finish within {timeout:.0f}s")
         time.sleep(1.0)
 
 
-def report(swarm, job: dict, directory: Path, started: float) -> int:
+def report(swarm, job: JobDetail, directory: Path, started: float) -> int:
     model = (directory / "model.pt").resolve()
-    swarm.client.download_artifact(job["id"], "model.pt", model)
+    swarm.client.download_artifact(job.id, "model.pt", model)
     evaluated = json.loads(subprocess.run(
         [sys.executable, "-m", "gpuswarm.cli", "node", "evaluate", str(model), "--json"],
         check=True, capture_output=True, text=True).stdout)
-    statement = settled_statement(swarm, job["id"])
+    statement = settled_statement(swarm, job.id)
 
     console.print()
-    console.print(f"[bold green]job {job['id']} completed[/bold green] after "
-                  f"{job['finished_at'] - job['started_at']:.0f}s of training")
-    console.print(f"final test accuracy (reported by the swarm): {job['final_accuracy']:.4f}")
+    console.print(f"[bold green]job {job.id} completed[/bold green] after "
+                  f"{job.finished_at - job.started_at:.0f}s of training")
+    console.print(f"final test accuracy (reported by the swarm): {job.final_accuracy:.4f}")
     console.print(f"final test accuracy (re-measured on the downloaded model): {evaluated['accuracy']:.4f}")
     console.print(f"model saved to {model}")
-    ledger = statement["nodes"]
+    ledger = statement.nodes
     table = Table("node", "claims", "samples claimed", "samples credited", "compute s", "paid", "flagged",
                   title="Contributions (peer-attested ledger)")
     for row in ledger:
-        table.add_row(row["node_id"], str(row["claims"]), str(row["claimed_samples"]), str(row["samples"]),
-                      f"{row['compute_seconds']:.2f}", f"{row['paid']:.6f}", str(row["flagged"]))
+        table.add_row(row.node_id, str(row.claims), str(row.claimed_samples), str(row.samples),
+                      f"{row.compute_seconds:.2f}", f"{row.paid:.6f}", str(row.flagged))
     console.print(table)
-    console.print(f"budget {statement['budget']}: reserved {statement['reserved']:.6f}, paid to nodes "
-                  f"{statement['paid']:.6f}, refunded {statement['refunded']:.6f}"
-                  + ("" if statement["settled"] else " (not settled yet)"))
+    console.print(f"budget {statement.budget}: reserved {statement.reserved:.6f}, paid to nodes "
+                  f"{statement.paid:.6f}, refunded {statement.refunded:.6f}"
+                  + ("" if statement.settled else " (not settled yet)"))
     console.print(f"wall time: {time.monotonic() - started:.0f}s")
-    ok = evaluated["accuracy"] >= 0.95 and len(ledger) >= 3 and all(r["samples"] > 0 for r in ledger)
+    ok = evaluated["accuracy"] >= 0.95 and len(ledger) >= 3 and all(r.samples > 0 for r in ledger)
     return 0 if ok else 1
 
 
-def settled_statement(swarm, job_id: str, timeout: float = 60.0) -> dict:
+def settled_statement(swarm, job_id: str, timeout: float = 60.0) -> JobStatement:
     """The job's statement once its books are closed (the nodes' last round reports arrive a heartbeat or two
     after the end; the coordinator settles after its grace period)."""
     deadline = time.monotonic() + timeout
     while True:
-        statement = swarm.client.job_statement(job_id)
-        if statement["settled"] or time.monotonic() > deadline:
+        statement = typed(JobStatement, swarm.client.job_statement(job_id))
+        if statement.settled or time.monotonic() > deadline:
             return statement
         time.sleep(1.0)
 

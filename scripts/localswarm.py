@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from gpuswarm.coordinator.client import ApiClientError, CoordinatorClient
+from gpuswarm.client.api import ApiError, SyncClient
+from gpuswarm.proto.api import NodeInfo
 
 
 def free_port() -> int:
@@ -34,7 +35,7 @@ class LocalSwarm:
         self.settle_grace = settle_grace
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = CoordinatorClient(self.url)
+        self.client = SyncClient(self.url)
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.coordinator: subprocess.Popen | None = None
@@ -52,17 +53,17 @@ class LocalSwarm:
                                        "--node-timeout", str(self.node_timeout),
                                        "--settle-grace", str(self.settle_grace), *extra)
         self.wait(lambda: self._healthy(), timeout, "the coordinator to answer", self.coordinator)
-        self.admin = CoordinatorClient(self.url, token=(self.root / "coordinator" / "admin.token").read_text().strip())
+        self.admin = SyncClient(self.url, token=(self.root / "coordinator" / "admin.token").read_text().strip())
         self.client = self.new_owner("swarm-owner")
 
-    def new_owner(self, name: str, credits: float = 1000.0) -> CoordinatorClient:
+    def new_owner(self, name: str, credits: float = 1000.0) -> SyncClient:
         """A job owner's account (through the admin API) and a client that acts as that owner."""
         owner = self.admin.create_owner(name, credits)
-        return CoordinatorClient(self.url, token=owner["token"])
+        return SyncClient(self.url, token=owner.token)
 
     def _healthy(self) -> bool:
-        with contextlib.suppress(ApiClientError):
-            return bool(self.client.health()["ok"])
+        with contextlib.suppress(ApiError):
+            return self.client.health().ok
         return False
 
     def start_node(self, index: int, price: float = 0.0, *extra: str, env: dict | None = None) -> subprocess.Popen:
@@ -76,12 +77,12 @@ class LocalSwarm:
 
         return load_or_create(self.root / f"node-{index}").node_id
 
-    def wait_for_nodes(self, count: int, timeout: float = 90.0) -> list[dict]:
-        nodes: list[dict] = []
+    def wait_for_nodes(self, count: int, timeout: float = 90.0) -> list[NodeInfo]:
+        nodes: list[NodeInfo] = []
 
         def enough() -> bool:
             nonlocal nodes
-            nodes = [n for n in self.client.nodes() if n["online"]]
+            nodes = [n for n in self.client.nodes() if n.online]
             return len(nodes) >= count
 
         self.wait(enough, timeout, f"{count} nodes to register")

@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from gpuswarm.client.api import CoordinatorClient
 from gpuswarm.coordinator.app import create_app
 from gpuswarm.coordinator.challenge import COMMIT_GRACE
 from gpuswarm.coordinator.challenge_schedule import challenge_due
 from gpuswarm.coordinator.config import CONFIG, CoordinatorConfig
 from gpuswarm.coordinator.db import Node
 from gpuswarm.node.challenge import Challenger, answer, solve
-from gpuswarm.node.client import CoordinatorClient
 from gpuswarm.node.identity import Identity
 from gpuswarm.proto import challenge as ch
 from gpuswarm.proto.challenge import ChallengeIssue, ChallengeReveal

@@ -88,8 +88,9 @@ async def test_other_files_are_not_served(client: TestClient, path: str):
 def test_package_data_ships_every_dashboard_file():
     """An installed wheel has the files: each one in the folder matches a package-data pattern."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert config["package-dir"]["gpuswarm.coordinator"] == "coordinator"
-    patterns = config["package-data"]["gpuswarm.coordinator"]
-    files = sorted(p.relative_to(ROOT / "coordinator").as_posix() for p in STATIC.iterdir() if p.is_file())
-    assert {"static/index.html", "static/dashboard.js", "static/dashboard.css"} <= set(files)
+    assert config["package-dir"]["gpuswarm.coordinator.static"] == "coordinator/static"
+    assert "gpuswarm.coordinator.static" in config["packages"]
+    patterns = config["package-data"]["gpuswarm.coordinator.static"]
+    files = sorted(p.relative_to(STATIC).as_posix() for p in STATIC.iterdir() if p.is_file())
+    assert {"index.html", "dashboard.js", "dashboard.css"} <= set(files)
     assert [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns)] == []

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from gpuswarm.client.api import SyncClient
+from gpuswarm.client.jobcli import job_app
 from gpuswarm.coordinator import tensorboard
 from gpuswarm.coordinator.app import create_app
-from gpuswarm.coordinator.cli import job_app
-from gpuswarm.coordinator.client import CoordinatorClient
 from gpuswarm.coordinator.config import SESSIONS, CoordinatorConfig
 from gpuswarm.coordinator.db import JobProgress
 from sqlalchemy import func, insert, select
@@ -317,10 +317,10 @@ async def test_client_and_cli_fetch_progress_and_the_event_file(alice, pair, tmp
     await beat(alice, a, progress(job_id, 0))
     await beat(alice, a, progress(job_id, 2))
     url = str(alice.make_url("")).rstrip("/")
-    client = CoordinatorClient(url, token=alice.token)
-    body = await asyncio.to_thread(client.progress, job_id)
+    client = SyncClient(url, token=alice.token)
+    body = (await asyncio.to_thread(client.progress, job_id)).model_dump(mode="json")
     assert steps(body) == [0, 2] and body["state"] == "running"
-    assert steps(await asyncio.to_thread(client.progress, job_id, 0)) == [2]
+    assert steps((await asyncio.to_thread(client.progress, job_id, 0)).model_dump(mode="json")) == [2]
 
     logdir = tmp_path / "tb"
     result = await asyncio.to_thread(CliRunner().invoke, job_app, [

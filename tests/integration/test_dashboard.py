@@ -156,23 +156,23 @@ def test_dashboard_shows_jobs_nodes_and_live_curves(swarm: LocalSwarm, browser, 
     assert "swarm-owner" in browser.find_element(By.ID, "owner").text
 
     # The hostile name is text: the same characters on screen, no <img> made from it, no alert.
-    name_cell = browser.find_element(By.CSS_SELECTOR, f'tr[data-job-id="{hostile["id"]}"] td:nth-child(2)')
+    name_cell = browser.find_element(By.CSS_SELECTOR, f'tr[data-job-id="{hostile.id}"] td:nth-child(2)')
     assert name_cell.text == HOSTILE_NAME
     assert browser.find_elements(By.CSS_SELECTOR, "#jobs-table img") == []
     with pytest.raises(NoAlertPresentException):
         browser.switch_to.alert.text  # noqa: B018
 
     # The training job's row goes to "running" in place, and every node row names it as the node's job.
-    row = f'tr[data-job-id="{job["id"]}"]'
+    row = f'tr[data-job-id="{job.id}"]'
     wait_until(browser, lambda d: d.find_element(By.CSS_SELECTOR, f"{row} td:nth-child(3)").text == "running",
                "the job to run")
-    wait_until(browser, lambda d: all(job["id"] in r.text for r in d.find_elements(
+    wait_until(browser, lambda d: all(job.id in r.text for r in d.find_elements(
         By.CSS_SELECTOR, "#nodes-table tbody tr")), "the nodes to show their job")
 
     # Open the job from its row: the hash route, the same page, no reload (the marker survives).
     browser.execute_script("window.__noReload = 'still here'")
     browser.find_element(By.CSS_SELECTOR, row).click()
-    wait_until(browser, lambda d: d.current_url.endswith(f"#/jobs/{job['id']}"), "the job's route")
+    wait_until(browser, lambda d: d.current_url.endswith(f"#/jobs/{job.id}"), "the job's route")
     wait_until(browser, lambda d: d.find_element(By.ID, "job-name").text == SPEC["name"], "the job page")
     wait_until(browser, lambda d: chart_points(d, "accuracy") >= 2, "two accuracy points")
     seen = chart_points(browser, "accuracy")
@@ -199,7 +199,7 @@ def test_dashboard_shows_jobs_nodes_and_live_curves(swarm: LocalSwarm, browser, 
     assert console_errors(browser) == []  # no script error, no CSP violation
 
     # The hostile job's own page: the heading and the tab title show the name as text too.
-    browser.get(f"{swarm.url}/dashboard?interval=0.5#/jobs/{hostile['id']}")
+    browser.get(f"{swarm.url}/dashboard?interval=0.5#/jobs/{hostile.id}")
     wait_until(browser, lambda d: d.find_element(By.ID, "job-name").text == HOSTILE_NAME, "the hostile job's page")
     assert browser.title.startswith(HOSTILE_NAME)
     assert browser.find_elements(By.CSS_SELECTOR, "main img") == []

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from gpuswarm.node.workloads.digits import DigitsMLP
+from gpuswarm.proto.api import ContributionSummary, JobDetail
 from localswarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
@@ -36,64 +37,65 @@ def swarm(tmp_path, artifacts_dir, request):
             shutil.copytree(lab.logs, artifacts_dir / request.node.name, dirs_exist_ok=True)
 
 
-def wait_for_job(lab: LocalSwarm, job_id: str, timeout: float = 420.0, client=None) -> dict:
+def wait_for_job(lab: LocalSwarm, job_id: str, timeout: float = 420.0, client=None) -> JobDetail:
     """The job once it has ended, read as its owner (`client`, default the lab's owner)."""
     client = client or lab.client
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         job = client.job(job_id)
-        if job["state"] in ("completed", "failed", "cancelled"):
+        if job.state in ("completed", "failed", "cancelled"):
             return job
         time.sleep(1.0)
-    raise AssertionError(f"job {job_id} still {job['state']} after {timeout:.0f}s: {job['progress']}\n"
+    raise AssertionError(f"job {job_id} still {job.state} after {timeout:.0f}s: {job.progress}\n"
                          + "\n".join(lab.log_tail(f"node-{i}", 15) for i in range(3)))
 
 
-def wait_for_ledger(lab: LocalSwarm, job_id: str, node_ids: set[str], timeout: float = 60.0) -> dict[str, dict]:
+def wait_for_ledger(lab: LocalSwarm, job_id: str, node_ids: set[str],
+                    timeout: float = 60.0) -> dict[str, ContributionSummary]:
     """The job's books once they are closed (nodes send their last round reports a heartbeat or two after the end;
     the coordinator settles after its grace period), by node."""
     deadline = time.monotonic() + timeout
     while True:
         statement = lab.client.job_statement(job_id)
-        rows = {r["node_id"]: r for r in statement["nodes"]}
-        if (statement["settled"] and node_ids <= rows.keys()) or time.monotonic() > deadline:
+        rows = {r.node_id: r for r in statement.nodes}
+        if (statement.settled and node_ids <= rows.keys()) or time.monotonic() > deadline:
             return rows
         time.sleep(1.0)
 
 
 def test_three_nodes_train_to_target_and_share_the_credit(swarm, tmp_path):
     job = swarm.client.submit_job(SPEC)
-    done = wait_for_job(swarm, job["id"])
-    assert done["state"] == "completed", done
-    assert done["final_accuracy"] >= TARGET
+    done = wait_for_job(swarm, job.id)
+    assert done.state == "completed", done
+    assert done.final_accuracy >= TARGET
     # The coordinator read hivemind's own progress records from the DHT (the ledger cross-checks epochs with them).
-    assert done["dht_epoch"] is not None and done["dht_epoch"] >= 1, done
+    assert done.dht_epoch is not None and done.dht_epoch >= 1, done
 
     node_ids = {swarm.node_id(i) for i in range(3)}
-    assert {a["node_id"] for a in done["assignments"]} == node_ids
-    ledger = wait_for_ledger(swarm, job["id"], node_ids)
+    assert {a.node_id for a in done.assignments} == node_ids
+    ledger = wait_for_ledger(swarm, job.id, node_ids)
     assert ledger.keys() == node_ids
     for row in ledger.values():  # every node's work was attested by its round's peers and paid
-        assert row["samples"] > 0 and row["steps"] > 0 and row["compute_seconds"] > 0 and row["paid"] > 0, row
-        assert row["flagged"] == 0, row
+        assert row.samples > 0 and row.steps > 0 and row.compute_seconds > 0 and row.paid > 0, row
+        assert row.flagged == 0, row
 
     model = tmp_path / "model.pt"
-    swarm.client.download_artifact(job["id"], "model.pt", model)
-    assert DigitsMLP.evaluate_saved(str(model)) == pytest.approx(done["final_accuracy"], abs=1e-6)
+    swarm.client.download_artifact(job.id, "model.pt", model)
+    assert DigitsMLP.evaluate_saved(str(model)) == pytest.approx(done.final_accuracy, abs=1e-6)
 
 
 def test_job_survives_a_node_killed_mid_training(swarm):
     job = swarm.client.submit_job(SPEC)
     # Mid-training: all three are in and the run has made a few averaged steps, but is far from the target.
-    swarm.wait(lambda: (j := swarm.client.job(job["id"]))["progress"]["global_step"] >= 3
-               and j["progress"]["peers"] >= 3, 180, "three peers to train together")
+    swarm.wait(lambda: (j := swarm.client.job(job.id)).progress.global_step >= 3
+               and j.progress.peers >= 3, 180, "three peers to train together")
     victim = swarm.node_id(2)
     swarm.kill_node(2)
 
-    done = wait_for_job(swarm, job["id"])
-    assert done["state"] == "completed", done
-    assert done["final_accuracy"] >= TARGET
-    lost = [a for a in done["assignments"] if a["node_id"] == victim]
-    assert lost and lost[0]["state"] == "lost", lost
-    survivors = {a["node_id"] for a in done["assignments"] if a["node_id"] != victim}
+    done = wait_for_job(swarm, job.id)
+    assert done.state == "completed", done
+    assert done.final_accuracy >= TARGET
+    lost = [a for a in done.assignments if a.node_id == victim]
+    assert lost and lost[0].state == "lost", lost
+    survivors = {a.node_id for a in done.assignments if a.node_id != victim}
     assert len(survivors) == 2

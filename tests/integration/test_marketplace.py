@@ -34,21 +34,21 @@ def test_a_node_that_inflates_its_claims_is_credited_only_what_its_peers_support
     lab.wait_for_nodes(3)
     job = lab.client.submit_job({"workload": "digits-mlp", "min_nodes": 3, "max_nodes": 3, "budget": 5.0,
                                  "stop": {"target_accuracy": 0.9, "max_epochs": 40}})
-    done = wait_for_job(lab, job["id"])
-    assert done["state"] == "completed", done
+    done = wait_for_job(lab, job.id)
+    assert done.state == "completed", done
     liar, honest = lab.node_id(2), {lab.node_id(0), lab.node_id(1)}
-    rows = wait_for_ledger(lab, job["id"], honest | {liar})
+    rows = wait_for_ledger(lab, job.id, honest | {liar})
     for node_id in honest:
-        assert rows[node_id]["samples"] > 0 and rows[node_id]["flagged"] == 0, rows[node_id]
+        assert rows[node_id].samples > 0 and rows[node_id].flagged == 0, rows[node_id]
         # All attested and under the cap; at most a last solo round (a failed round at the end) goes unpaid.
-        assert rows[node_id]["samples"] >= 0.8 * rows[node_id]["claimed_samples"], rows[node_id]
+        assert rows[node_id].samples >= 0.8 * rows[node_id].claimed_samples, rows[node_id]
     lying = rows[liar]
-    assert lying["flagged"] > 0, lying
+    assert lying.flagged > 0, lying
     # Credited at most the throughput cap (3x its peers' median share of each round, one round's worth always
     # allowed): less than it claimed, and never far beyond what an honest member was credited.
-    assert lying["samples"] < 0.75 * lying["claimed_samples"], lying
-    assert lying["samples"] <= 3.1 * max(rows[n]["samples"] for n in honest), lying
-    reputation = {n["id"]: n["reputation"] for n in lab.client.nodes()}
+    assert lying.samples < 0.75 * lying.claimed_samples, lying
+    assert lying.samples <= 3.1 * max(rows[n].samples for n in honest), lying
+    reputation = {n.id: n.reputation for n in lab.client.nodes()}
     assert reputation[liar] < min(reputation[n] for n in honest)
 
 
@@ -64,22 +64,22 @@ def test_two_jobs_compete_for_four_nodes_and_the_higher_bid_goes_first(lab):
     for i, price in enumerate([0.4, 0.5, 0.6, 0.9]):
         lab.start_node(i, price=price)
     lab.wait_for_nodes(4)
-    first = wait_for_job(lab, rich["id"], client=rich_owner)
-    second = wait_for_job(lab, cheap["id"])
-    assert first["state"] == second["state"] == "completed", (first, second)
+    first = wait_for_job(lab, rich.id, client=rich_owner)
+    second = wait_for_job(lab, cheap.id)
+    assert first.state == second.state == "completed", (first, second)
     # Submitted later, the higher bid started first and took three nodes; the other job waited, holding none.
-    assert first["started_at"] < second["started_at"]
-    assert len(first["assignments"]) == 3 and len(second["assignments"]) == 2
+    assert first.started_at < second.started_at
+    assert len(first.assignments) == 3 and len(second.assignments) == 2
     # Never over-committed: no node held two assignments at once.
     spans: dict[str, list[tuple[float, float]]] = {}
     for job in (first, second):
-        for a in job["assignments"]:
-            spans.setdefault(a["node_id"], []).append((a["created_at"], a["ended_at"] or float("inf")))
+        for a in job.assignments:
+            spans.setdefault(a.node_id, []).append((a.created_at, a.ended_at or float("inf")))
     for intervals in spans.values():
         intervals.sort()
         assert all(end <= nxt for (_, end), (nxt, _) in zip(intervals, intervals[1:], strict=False)), spans
     for job, owner, bid in ((first, rich_owner, 3.0), (second, lab.client, 1.0)):
-        statement = owner.job_statement(job["id"])
-        assert 0 < statement["paid"] <= statement["budget"], statement
-        prices = {a["price_per_gpu_hour"] for a in job["assignments"]}
+        statement = owner.job_statement(job.id)
+        assert 0 < statement.paid <= statement.budget, statement
+        prices = {a.price_per_gpu_hour for a in job.assignments}
         assert max(prices) <= bid  # the clearing price is each node's ask, never above the bid

@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 import pytest
+from gpuswarm.client.api import CoordinatorUnavailable
 from gpuswarm.node.challenge import ChallengeAbandoned, Challenger, answer, choose_device, solve
-from gpuswarm.node.client import CoordinatorUnavailable
 from gpuswarm.proto import challenge as ch
 from gpuswarm.proto.challenge import ChallengeIssue, ChallengeReveal
 from gpuswarm.proto.models import Resources

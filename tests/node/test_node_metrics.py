@@ -315,7 +315,7 @@ def test_real_nodes_serve_state_heartbeats_training_and_rounds(lab):
     # A real two-node job: hivemind rounds between the nodes' training processes.
     job = lab.client.submit_job({"name": "metrics", "workload": "digits-mlp", "min_nodes": 2, "max_nodes": 2,
                                  "budget": 5.0, "stop": {"target_accuracy": 0.99, "max_epochs": 200}})
-    job_id = job["id"]
+    job_id = job.id
 
     def training() -> bool:
         s = node(0)

@@ -29,8 +29,9 @@ def gpuswarm(*args: str, timeout: float = 40) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     import hivemind
+    from gpuswarm.dht.validators import NodeAdvertValidator
     from gpuswarm.node.identity import load_or_create
-    from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY, NodeAdvertValidator, job_run_id
+    from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY, job_run_id
     from gpuswarm.proto.models import GPUInfo, NodeAdvert, NodeState, Resources
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.optim.progress_tracker import ProgressTracker
@@ -112,7 +113,7 @@ def test_get_and_ls(swarm):
 
 
 def test_key_names_ls_can_know():
-    from gpuswarm.node.dhtcli import candidate_keys, run_id_of
+    from gpuswarm.dht.inspect import candidate_keys, run_id_of
 
     run = "gpuswarm_j_0123456789ab"
     assert run_id_of(JOB_ID) == run_id_of(run) == run_id_of(run + "_grad_averager.0b") == run
@@ -127,7 +128,7 @@ def test_key_names_ls_can_know():
 
 
 def test_watch_diff():
-    from gpuswarm.node.dhtcli import diff
+    from gpuswarm.dht.cli import diff
 
     a = {"value": 1, "signature": "unsigned", "expiration": 10.0}
     assert diff({}, {("k", "s"): a}) == [{"change": "added", "key": "k", "subkey": "s", "signature": "unsigned",
@@ -172,3 +173,17 @@ def test_unreachable_dht_fails_clearly_within_the_timeout():
     assert "cannot reach the DHT" in result.stderr and bogus in result.stderr
     assert time.monotonic() - started < 20
     assert result.stdout == ""
+
+
+def test_the_command_group_loads_no_hivemind_and_names_the_missing_extra():
+    code = "import sys, gpuswarm.dht.cli; print('hivemind' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+    # An install without the node extra: importing hivemind fails, and the command says what to install.
+    code = ("import sys; sys.modules['hivemind'] = None; from gpuswarm.cli import main; "
+            "sys.argv = ['gpuswarm', 'dht', 'nodes', '--initial-peer', '/ip4/127.0.0.1/tcp/9']; main()")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, COLUMNS="200"))
+    assert result.returncode == 1 and result.stdout == ""
+    assert "needs hivemind" in result.stderr and "pip install 'gpuswarm[node]'" in result.stderr

@@ -9,8 +9,10 @@ import hivemind
 import psutil
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from gpuswarm.dht.swarm import SwarmDHT
+from gpuswarm.dht.validators import NodeAdvertValidator
 from gpuswarm.node.identity import Identity
-from gpuswarm.proto.dht import ADVERT_KIND, EXPIRY_SLACK, NODES_KEY, NodeAdvertValidator, SwarmDHT, decode_advert
+from gpuswarm.proto.dht import ADVERT_KIND, EXPIRY_SLACK, NODES_KEY, decode_advert
 from gpuswarm.proto.models import NodeAdvert, NodeState, Resources
 from gpuswarm.proto.signing import SignatureError
 from hivemind.dht.routing import DHTID
@@ -176,7 +178,7 @@ def test_swarm_dht_ignores_a_group_sigterm_and_terminate_kills_it():
 
 OWNER = """
 import os, signal, sys
-from gpuswarm.proto.dht import SwarmDHT
+from gpuswarm.dht.swarm import SwarmDHT
 import hivemind
 signal.signal(signal.SIGTERM, lambda *_: None)  # a daemon's own handler, as aiohttp and asyncio install one
 dht = (SwarmDHT if sys.argv[1] == "swarm" else hivemind.DHT)(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])

@@ -1,0 +1,457 @@
+"""The one client of the coordinator's /v1 API, used by the CLI, the scripts and tests, and the node daemon.
+
+Owns the HTTP requests (aiohttp), the error family, parsing every answer into its response model (`proto.api`,
+`proto.models`), the node's signed routes, and downloads streamed to disk and checked against their SHA-256.
+`CoordinatorClient` is the async core; `SyncClient` runs that same core on one private event loop for callers
+that have none (the CLI, the lab scripts). It knows nothing of the coordinator's internals: only the wire.
+
+Errors are one family, `ApiError(message, status, code)`: `CoordinatorUnavailable` (no connection, a timeout, a
+5xx, an answer that does not parse: try again later) and `Rejected` (4xx: the coordinator understood and said no).
+The node daemon relies on that split.
+
+Imports proto only. The GPU challenge's models (proto.challenge, which needs numpy) are imported inside the three
+challenge calls, which only a node makes, so the job owner's slim install never loads numpy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import threading
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from urllib.parse import quote
+
+import aiohttp
+from gpuswarm.proto.api import (
+    ArtifactStored,
+    AssignmentList,
+    DhtPeers,
+    Health,
+    HeartbeatAnswer,
+    JobContributions,
+    JobDetail,
+    JobInfo,
+    JobList,
+    JobStatement,
+    JobSummary,
+    NodeChallenges,
+    NodeInfo,
+    NodeList,
+    NodeStatement,
+    OwnerAccount,
+    OwnerCreated,
+    ProgressCurve,
+    RevokeAnswer,
+    RoundAnswer,
+)
+from gpuswarm.proto.models import (
+    ENVELOPE_HEADER,
+    TENSORBOARD_ARTIFACT,
+    ArtifactMeta,
+    Assignment,
+    AssignmentPoll,
+    Heartbeat,
+    JobSpec,
+    MeshConfig,
+    MeshPoll,
+    NodeRegistration,
+    RegistrationResponse,
+    RoundReport,
+    is_job_id,
+)
+from gpuswarm.proto.signing import SignedEnvelope
+from pydantic import BaseModel, ValidationError
+
+if TYPE_CHECKING:
+    from gpuswarm.proto.challenge import ChallengeCommit, ChallengeIssue, ChallengeProof, ChallengeResult, CommitAnswer
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+MESH_POLL_TIMEOUT = 40.0  # longer than the coordinator holds a mesh long-poll (20 s)
+PROOF_TIMEOUT = 120.0  # the coordinator checks a challenge proof in O(n^2): seconds for the largest
+CHUNK = 1 << 20
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ApiError(Exception):
+    """A call that did not succeed: `message` says why; `status` and `code` are the API's, when it answered."""
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+
+class CoordinatorUnavailable(ApiError):
+    """No usable answer (network, timeout, 5xx, an answer that does not parse): try again later."""
+
+
+class Rejected(ApiError):
+    """A 4xx: the coordinator understood the request and refused it; sending it again will not help."""
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code or 'error'}: {self.message}"
+
+
+class Signer(Protocol):
+    """Who signs the node routes' bodies: `gpuswarm.node.identity.Identity`."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    def sign(self, kind: str, payload: dict) -> SignedEnvelope: ...
+
+
+def _segment(value: str) -> str:
+    """A path segment from a caller's value (an id, a file name): never a way to another route."""
+    return quote(value, safe="")
+
+
+class CoordinatorClient:
+    """The async client. `token`: a job owner's API token or the admin token, sent as a bearer token. `signer`:
+    the node identity that signs the node routes. Used as an async context manager it keeps one connection pool
+    (the node daemon); otherwise each call opens and closes its own."""
+
+    def __init__(self, base_url: str = DEFAULT_URL, signer: Signer | None = None, *, token: str | None = None,
+                 timeout: float = 10.0):
+        self.base_url = base_url.rstrip("/")
+        self.signer, self.token, self.timeout = signer, token, timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> CoordinatorClient:
+        self._session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ------------------------------------------------------------------------------------------------ transport
+
+    @contextlib.asynccontextmanager
+    async def _session_for_call(self) -> AsyncIterator[aiohttp.ClientSession]:
+        if self._session is not None:
+            yield self._session
+            return
+        async with aiohttp.ClientSession() as session:
+            yield session
+
+    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return headers | dict(extra or {})
+
+    def _unreachable(self, error: BaseException, timeout: float) -> CoordinatorUnavailable:
+        if isinstance(error, TimeoutError):
+            reason = f"no answer within {timeout:g}s"
+        elif isinstance(error, aiohttp.ClientConnectorError):
+            os_error = error.os_error
+            reason = os.strerror(os_error.errno) if (os_error.errno or 0) > 0 else (os_error.strerror or str(os_error))
+        else:
+            reason = str(error) or type(error).__name__
+        return CoordinatorUnavailable(f"cannot reach the coordinator at {self.base_url}: {reason}")
+
+    def _refusal(self, status: int, body: bytes, what: str) -> ApiError:
+        try:
+            error = json.loads(body)["error"]
+            message, code, from_api = str(error["message"]), error.get("code"), True
+        except (ValueError, KeyError, TypeError):
+            message, code, from_api = f"{self.base_url} answered HTTP {status} to {what}", None, False
+        if not from_api and status < 500:
+            # Not the API's error body: a proxy or load balancer answered, not the coordinator. Its 4xx says
+            # nothing about the request, so it is a reason to try again later, never to drop a report or a model.
+            return CoordinatorUnavailable(f"{message} (not the API's error body: a proxy in between?)", status=status)
+        if status >= 500:
+            if code is not None:
+                message = f"the coordinator at {self.base_url} answered HTTP {status} to {what}: {message}"
+            return CoordinatorUnavailable(message, status=status, code=code)
+        return Rejected(message, status=status, code=code)
+
+    async def request(self, method: str, path: str, body: Any = None, *, data: bytes | None = None,
+                      headers: Mapping[str, str] | None = None, params: Mapping[str, str] | None = None,
+                      timeout: float | None = None) -> Any:
+        """One call with `body` as JSON (or raw `data`); its answer as plain JSON. The typed methods below parse
+        it into their models; this is for what they do not cover (a test's hand-made request)."""
+        timeout = timeout or self.timeout
+        what = f"{method} {path}"
+        try:
+            async with self._session_for_call() as session, session.request(
+                    method, self.base_url + path, json=body, data=data, params=params,
+                    headers=self._headers(headers), timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                raw = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, OSError) as e:  # TimeoutError is an OSError
+            raise self._unreachable(e, timeout) from None
+        if status >= 400:
+            raise self._refusal(status, raw, what)
+        try:
+            return json.loads(raw) if raw else {}
+        except (ValueError, UnicodeDecodeError):
+            raise CoordinatorUnavailable(f"the coordinator at {self.base_url} answered {what} with something that "
+                                         f"is not JSON") from None
+
+    async def _call(self, model: type[M], method: str, path: str, **kwargs) -> M:
+        data = await self.request(method, path, **kwargs)
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'answer'}: {x['msg']}" for x in e.errors()[:3])
+            raise CoordinatorUnavailable(f"the coordinator at {self.base_url} answered {method} {path} with a "
+                                         f"{model.__name__} this client cannot read ({problems})") from None
+
+    def _envelope(self, kind: str, payload: BaseModel) -> SignedEnvelope:
+        if self.signer is None:
+            raise TypeError("this call is a node's: give the client a signer (the node's Identity)")
+        return self.signer.sign(kind, payload.model_dump(mode="json"))
+
+    async def _signed(self, model: type[M], path: str, kind: str, payload: BaseModel, **kwargs) -> M:
+        envelope = self._envelope(kind, payload)
+        return await self._call(model, "POST", path, body=envelope.model_dump(mode="json"), **kwargs)
+
+    # ------------------------------------------------------------------------------------------------ anyone
+
+    async def health(self) -> Health:
+        return await self._call(Health, "GET", "/v1/health")
+
+    async def dht(self) -> DhtPeers:
+        return await self._call(DhtPeers, "GET", "/v1/dht")
+
+    async def openapi(self) -> dict[str, Any]:
+        return await self.request("GET", "/v1/openapi.json")
+
+    async def nodes(self) -> list[NodeInfo]:
+        return (await self._call(NodeList, "GET", "/v1/nodes")).nodes
+
+    async def node_statement(self, node_id: str) -> NodeStatement:
+        return await self._call(NodeStatement, "GET", f"/v1/nodes/{_segment(node_id)}/statement")
+
+    async def node_challenges(self, node_id: str) -> NodeChallenges:
+        return await self._call(NodeChallenges, "GET", f"/v1/nodes/{_segment(node_id)}/challenges")
+
+    # ------------------------------------------------------------------------------------------------ job owner
+
+    async def submit_job(self, spec: JobSpec | Mapping[str, Any]) -> JobInfo:
+        body = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else dict(spec)
+        return await self._call(JobInfo, "POST", "/v1/jobs", body=body)
+
+    async def jobs(self, state: str | None = None) -> list[JobSummary]:
+        return (await self._call(JobList, "GET", "/v1/jobs", params={"state": state} if state else None)).jobs
+
+    async def job(self, job_id: str) -> JobDetail:
+        return await self._call(JobDetail, "GET", f"/v1/jobs/{_segment(job_id)}")
+
+    async def contributions(self, job_id: str) -> JobContributions:
+        return await self._call(JobContributions, "GET", f"/v1/jobs/{_segment(job_id)}/contributions")
+
+    async def progress(self, job_id: str, after: int | None = None) -> ProgressCurve:
+        """The job's training curve: points after step `after` (all when None), at most 5000 per answer."""
+        return await self._call(ProgressCurve, "GET", f"/v1/jobs/{_segment(job_id)}/progress",
+                                params=None if after is None else {"after": str(after)})
+
+    async def cancel_job(self, job_id: str) -> JobInfo:
+        return await self._call(JobInfo, "POST", f"/v1/jobs/{_segment(job_id)}/cancel")
+
+    async def job_statement(self, job_id: str) -> JobStatement:
+        return await self._call(JobStatement, "GET", f"/v1/jobs/{_segment(job_id)}/statement")
+
+    async def whoami(self) -> OwnerAccount:
+        return await self._call(OwnerAccount, "GET", "/v1/owners/me")
+
+    async def download_artifact(self, job_id: str, name: str, dest: Path) -> str:
+        """Stream an artifact to `dest`, check it against the SHA-256 the coordinator sent, return the digest.
+        Written to DEST.part first: `dest` only ever holds a whole, checked file."""
+        tmp = dest.with_name(dest.name + ".part")
+        digest = hashlib.sha256()
+        path = f"/v1/jobs/{_segment(job_id)}/artifacts/{_segment(name)}"
+        # No total limit (a model may be large): each connect and read must progress within the timeout.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
+        try:
+            async with self._session_for_call() as session, session.get(
+                    self.base_url + path, headers=self._headers(), timeout=timeout) as response:
+                if response.status >= 400:
+                    raise self._refusal(response.status, await response.read(), f"GET {path}")
+                expected = response.headers.get("X-Content-SHA256")
+                with open(tmp, "wb") as f:
+                    async for chunk in response.content.iter_chunked(CHUNK):
+                        digest.update(chunk)
+                        f.write(chunk)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            tmp.unlink(missing_ok=True)
+            raise self._unreachable(e, self.timeout) from None
+        if expected and digest.hexdigest() != expected:
+            tmp.unlink(missing_ok=True)
+            raise ApiError(f"download of {name} is corrupt: SHA-256 {digest.hexdigest()} != {expected}")
+        tmp.replace(dest)
+        return digest.hexdigest()
+
+    async def download_tensorboard(self, job_id: str, logdir: Path) -> tuple[Path, str]:
+        """Save the job's TensorBoard event file as LOGDIR/JOB_ID/tensorboard.tfevents (one run per job for
+        `tensorboard --logdir LOGDIR`), replacing an earlier download. Returns the path and its SHA-256."""
+        if not is_job_id(job_id):  # it names a directory: nothing like "../x"
+            raise ApiError(f"not a job id: {job_id!r}")
+        directory = logdir / job_id
+        directory.mkdir(parents=True, exist_ok=True)
+        dest = directory / TENSORBOARD_ARTIFACT
+        return dest, await self.download_artifact(job_id, TENSORBOARD_ARTIFACT, dest)
+
+    # ------------------------------------------------------------------------------------------------ admin
+
+    async def create_owner(self, name: str, credits: float) -> OwnerCreated:
+        return await self._call(OwnerCreated, "POST", "/v1/owners", body={"name": name, "credits": credits})
+
+    async def adjust_credits(self, owner_id: str, amount: float, memo: str = "") -> OwnerAccount:
+        return await self._call(OwnerAccount, "POST", f"/v1/owners/{_segment(owner_id)}/credits",
+                                body={"amount": amount, "memo": memo})
+
+    async def revoke_node(self, node_id: str) -> RevokeAnswer:
+        return await self._call(RevokeAnswer, "POST", f"/v1/nodes/{_segment(node_id)}/revoke", body={})
+
+    # ------------------------------------------------------------------------------------------------ node
+
+    @property
+    def node_id(self) -> str:
+        if self.signer is None:
+            raise TypeError("this client has no signer, so no node id")
+        return self.signer.node_id
+
+    async def register(self, registration: NodeRegistration) -> RegistrationResponse:
+        return await self._signed(RegistrationResponse, "/v1/nodes/register", "register", registration)
+
+    async def heartbeat(self, heartbeat: Heartbeat) -> HeartbeatAnswer:
+        return await self._signed(HeartbeatAnswer, "/v1/nodes/heartbeat", "heartbeat", heartbeat)
+
+    async def assignments(self) -> list[Assignment]:
+        poll = AssignmentPoll(node_id=self.node_id)
+        return (await self._signed(AssignmentList, "/v1/nodes/assignments", "poll", poll)).assignments
+
+    async def mesh_peers(self, since: int) -> MeshConfig:
+        """Long-poll: returns when the coordinator's mesh version passes `since` (or after its poll timeout)."""
+        return await self._signed(MeshConfig, "/v1/mesh/peers", "mesh_poll",
+                                  MeshPoll(node_id=self.node_id, since=since), timeout=MESH_POLL_TIMEOUT)
+
+    async def report_round(self, report: RoundReport) -> RoundAnswer:
+        return await self._signed(RoundAnswer, "/v1/rounds", "round_report", report)
+
+    async def upload(self, job_id: str, path: Path, *, final: bool, accuracy: float | None = None,
+                     epoch: float | None = None) -> ArtifactStored:
+        """Upload a file as the job's artifact `path.name`; the signed header binds its size and SHA-256."""
+        data = path.read_bytes()
+        meta = ArtifactMeta(job_id=job_id, node_id=self.node_id, name=path.name,
+                            sha256=hashlib.sha256(data).hexdigest(), size=len(data), final=final,
+                            accuracy=accuracy, epoch=epoch)
+        envelope = self._envelope("artifact", meta)
+        return await self._call(ArtifactStored, "PUT", f"/v1/jobs/{_segment(job_id)}/artifacts/{_segment(path.name)}",
+                                data=data, headers={ENVELOPE_HEADER: envelope.model_dump_json(),
+                                                    "Content-Type": "application/octet-stream"})
+
+    # GPU challenge (proto/challenge.py): start when the heartbeat answer asks, commit the root, prove the rows.
+
+    async def challenge_start(self) -> ChallengeIssue:
+        from gpuswarm.proto import challenge
+
+        return await self._signed(challenge.ChallengeIssue, "/v1/challenges", challenge.START_KIND,
+                                  challenge.ChallengeStart(node_id=self.node_id))
+
+    async def challenge_commit(self, commit: ChallengeCommit) -> CommitAnswer:
+        from gpuswarm.proto import challenge
+
+        return await self._signed(challenge.CommitAnswer, f"/v1/challenges/{_segment(commit.challenge_id)}/commit",
+                                  challenge.COMMIT_KIND, commit)
+
+    async def challenge_proof(self, proof: ChallengeProof) -> ChallengeResult:
+        from gpuswarm.proto import challenge
+
+        return await self._signed(challenge.ChallengeResult, f"/v1/challenges/{_segment(proof.challenge_id)}/proof",
+                                  challenge.PROOF_KIND, proof, timeout=PROOF_TIMEOUT)
+
+
+def _blocking(method):
+    """`CoordinatorClient.method`, run to completion on the SyncClient's loop."""
+
+    @functools.wraps(method)
+    def call(self: SyncClient, *args, **kwargs):
+        return self._run(method(self.api, *args, **kwargs))
+
+    return call
+
+
+class SyncClient:
+    """The same client for callers without an event loop: each call runs the async core to completion on this
+    object's private loop (one call at a time). Called from a thread whose loop is running, a call runs on a
+    short-lived loop in a worker thread instead, since that loop cannot be blocked on."""
+
+    def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, timeout: float = 10.0,
+                 signer: Signer | None = None):
+        self.api = CoordinatorClient(base_url, signer, token=token, timeout=timeout)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def base_url(self) -> str:
+        return self.api.base_url
+
+    @property
+    def token(self) -> str | None:
+        return self.api.token
+
+    def _run(self, coroutine):
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            with self._lock:
+                if self._loop is None or self._loop.is_closed():
+                    self._loop = asyncio.new_event_loop()
+                return self._loop.run_until_complete(coroutine)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, coroutine).result()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            loop.close()
+
+    request = _blocking(CoordinatorClient.request)
+    health = _blocking(CoordinatorClient.health)
+    dht = _blocking(CoordinatorClient.dht)
+    openapi = _blocking(CoordinatorClient.openapi)
+    nodes = _blocking(CoordinatorClient.nodes)
+    node_statement = _blocking(CoordinatorClient.node_statement)
+    node_challenges = _blocking(CoordinatorClient.node_challenges)
+    submit_job = _blocking(CoordinatorClient.submit_job)
+    jobs = _blocking(CoordinatorClient.jobs)
+    job = _blocking(CoordinatorClient.job)
+    contributions = _blocking(CoordinatorClient.contributions)
+    progress = _blocking(CoordinatorClient.progress)
+    cancel_job = _blocking(CoordinatorClient.cancel_job)
+    job_statement = _blocking(CoordinatorClient.job_statement)
+    whoami = _blocking(CoordinatorClient.whoami)
+    download_artifact = _blocking(CoordinatorClient.download_artifact)
+    download_tensorboard = _blocking(CoordinatorClient.download_tensorboard)
+    create_owner = _blocking(CoordinatorClient.create_owner)
+    adjust_credits = _blocking(CoordinatorClient.adjust_credits)
+    revoke_node = _blocking(CoordinatorClient.revoke_node)
+    register = _blocking(CoordinatorClient.register)
+    heartbeat = _blocking(CoordinatorClient.heartbeat)
+    assignments = _blocking(CoordinatorClient.assignments)
+    report_round = _blocking(CoordinatorClient.report_round)
+    upload = _blocking(CoordinatorClient.upload)

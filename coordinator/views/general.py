@@ -1,0 +1,35 @@
+"""Handlers of the routes about the coordinator itself: health, the OpenAPI document, the DHT bootstrap peers.
+
+Owns GET /v1/health, /v1/openapi.json and /v1/dht. Reads no database.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from gpuswarm.coordinator import openapi
+from gpuswarm.coordinator.config import DHT_PEERS
+from gpuswarm.coordinator.openapi import describe, respond
+from gpuswarm.coordinator.views import shapes
+from gpuswarm.proto import api
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/v1/health")
+@describe(auth="anyone", response=api.Health)
+async def health(request: web.Request) -> web.Response:
+    """Liveness, version and the coordinator's clock."""
+    return respond(api.Health, shapes.health_json())
+
+
+@routes.get("/v1/openapi.json")
+async def openapi_document(request: web.Request) -> web.Response:
+    """This API's OpenAPI 3.1 document."""
+    return web.json_response(openapi.build(request.app))
+
+
+@routes.get("/v1/dht")
+@describe(auth="anyone", response=api.DhtPeers)
+async def dht_peers(request: web.Request) -> web.Response:
+    """The DHT bootstrap peer's multiaddrs."""
+    return respond(api.DhtPeers, shapes.dht_json(request.app[DHT_PEERS]))

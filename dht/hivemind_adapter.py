@@ -1,0 +1,127 @@
+"""The one place gpuswarm reaches past hivemind's public API. Written against hivemind 1.1.12 (`PINNED_VERSION`);
+tests/dht/test_hivemind_adapter.py pins that version and runs every function here against a real local DHT, so an
+upgrade that moves any of these fails there, loudly, instead of in an operator's `gpuswarm dht` output.
+
+What is used, and why:
+- `hivemind.dht.routing.DHTID.generate(source=key).to_bytes()` (`key_id`): the 20-byte hash a key is stored
+  under. Record validators receive only that hash (`DHTRecord.key`), and a local peer's records are keyed by it.
+- `hivemind.utils.MSGPackSerializer` (`pack`, `unpack`): how hivemind encodes subkeys and values inside raw
+  records. A validator receives raw bytes, and the signature checks of `gpuswarm dht get` need them too.
+- `DHTNode.protocol.cache` / `.storage` (DHTLocalStorage) and `hivemind.dht.storage.DictionaryDHTValue`
+  (`cached_record`, `local_records`): the raw records a lookup left in the local peer. `DHT.get` returns values
+  with their RSA signatures stripped, so signature checks must read the records from here.
+- `DHTNode.protocol.routing_table.peer_id_to_uid` (`routing_peers`) and `DHTNode.protocol.call_ping` (`ping`):
+  the peers a DHT node routes through, and a single timed ping, for `gpuswarm dht peers`.
+- `RSASignatureValidator`'s record layout (`rsa_owner`, `check_rsa_record`): an "[owner:<RSA public key>]" marker
+  in the key or subkey makes a record protected, and its value carries the signature; hivemind's ProgressTracker
+  publishes its records this way. The validator's `validate` and `strip_value` are its public interface; the
+  record they take is rebuilt here from the raw parts.
+- The key names hivemind derives from a run id (`HIVEMIND_RUN_KEY_SUFFIXES`): hivemind.Optimizer's progress key,
+  and its gradient and state averagers' matchmaking (`<prefix>.0b`: the Optimizer's averagers start with empty
+  group bits and keep them) and state-download (`<prefix>.all_averagers`) keys. A DHT cannot list its keys, so
+  `gpuswarm dht ls` must name them.
+
+Every function that takes `node` runs inside the DHT's own process (`DHT.run_coroutine`), where `node` is its
+DHTNode. This module imports hivemind lazily, so importing it costs nothing; it must not grow anything that is
+reachable through hivemind's public API (`hivemind.DHT`, `DHTNode.get`, `DHTNode.p2p`, record validators).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+PINNED_VERSION = "1.1.12"
+HIVEMIND_RUN_KEY_SUFFIXES = ("_progress", "_grad_averager.0b", "_state_averager.0b", "_grad_averager.all_averagers",
+                             "_state_averager.all_averagers")
+OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # RSASignatureValidator.PUBLIC_KEY_FORMAT, b"[owner:_key_]"
+
+
+def key_id(key: str) -> bytes:
+    """The DHT id (hash) a key is stored under, as the bytes a `DHTRecord.key` holds."""
+    from hivemind.dht.routing import DHTID
+
+    return DHTID.generate(source=key).to_bytes()
+
+
+def pack(value: Any) -> bytes:
+    """A subkey or value as hivemind stores it in a raw record."""
+    from hivemind.utils import MSGPackSerializer
+
+    return MSGPackSerializer.dumps(value)
+
+
+def unpack(raw: bytes) -> Any:
+    """The inverse of `pack`. Raises (msgpack's own exceptions, ValueError, TypeError) on bytes it cannot decode."""
+    from hivemind.utils import MSGPackSerializer
+
+    return MSGPackSerializer.loads(raw)
+
+
+def rsa_owner(data: bytes) -> bytes | None:
+    """The RSA public key a key or subkey names as its record's owner, or None for an unprotected one."""
+    found = OWNER_RE.search(data)
+    return found.group(1) if found else None
+
+
+def check_rsa_record(record_key_id: bytes, subkey: Any, raw: bytes, expiration: float) -> tuple[bool, bytes]:
+    """Check an RSA-protected record's signature as hivemind's own validator does: (whether it verifies, the raw
+    value with its signature stripped). `subkey` is the decoded subkey (None for a plain value)."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.validation import DHTRecord
+
+    validator = RSASignatureValidator()
+    record = DHTRecord(record_key_id, pack(subkey) if subkey is not None else b"", raw, expiration)
+    return validator.validate(record), validator.strip_value(record)
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """A record as the local peer holds it: either `subkeys` ({subkey: (raw value, expiration)}) or `value`."""
+
+    subkeys: dict[Any, tuple[bytes, float]] | None = None
+    value: bytes | None = None
+
+
+def cached_record(node, key: str) -> RawRecord | None:
+    """The raw record under `key` that the local peer holds (a lookup leaves it in the cache; a stored one is in
+    storage), signatures still attached; None when it holds none."""
+    from hivemind.dht.storage import DictionaryDHTValue
+
+    kid = _dhtid(key)
+    raw = node.protocol.cache.get(kid) or node.protocol.storage.get(kid)
+    if raw is not None and isinstance(raw.value, DictionaryDHTValue):
+        return RawRecord(subkeys={subkey: (item.value, item.expiration_time) for subkey, item in raw.value.items()})
+    if raw is not None and isinstance(raw.value, bytes):
+        return RawRecord(value=raw.value)
+    return None
+
+
+def local_records(node) -> list[dict]:
+    """Every record the local peer holds (storage and lookup cache), by key hash: names cannot be recovered."""
+    from hivemind.dht.storage import DictionaryDHTValue
+
+    out = []
+    for where, timed in (("storage", node.protocol.storage), ("cache", node.protocol.cache)):
+        for kid, item in timed.items():
+            subkeys = len(item.value) if isinstance(item.value, DictionaryDHTValue) else None
+            out.append({"key_id": kid.to_bytes().hex(), "where": where, "subkeys": subkeys,
+                        "expiration": item.expiration_time})
+    return out
+
+
+def routing_peers(node) -> dict:
+    """The peers in the node's routing table: {PeerID: their DHT id as bytes}."""
+    return {peer_id: dht_id.to_bytes() for peer_id, dht_id in node.protocol.routing_table.peer_id_to_uid.items()}
+
+
+async def ping(node, peer_id) -> bool:
+    """One DHT ping of `peer_id` (a PeerID), without adding it to the routing table: whether it answered."""
+    return await node.protocol.call_ping(peer_id, validate=False) is not None
+
+
+def _dhtid(key: str):
+    from hivemind.dht.routing import DHTID
+
+    return DHTID.generate(source=key)

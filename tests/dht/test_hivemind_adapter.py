@@ -1,0 +1,171 @@
+"""Pins gpuswarm.dht.hivemind_adapter to hivemind 1.1.12: every adapter function runs against real local DHT peers
+(and the run-key suffixes against a real hivemind.Optimizer), so an upgrade that moves hivemind's internals fails
+here rather than in `gpuswarm dht` output or in the advert validator."""
+
+from __future__ import annotations
+
+import time
+
+import hivemind
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from gpuswarm.dht import hivemind_adapter as adapter
+from gpuswarm.dht.validators import NodeAdvertValidator
+from gpuswarm.node.identity import Identity
+from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY
+from gpuswarm.proto.models import NodeAdvert, NodeState, Resources
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+
+pytestmark = pytest.mark.keep_processes  # the module-scoped peers below outlive single tests; their teardown stops them
+
+PLAIN_KEY = "gpuswarm.test.plain"
+SIGNED_KEY = "gpuswarm.test.signed"
+
+
+def test_hivemind_is_the_version_the_adapter_was_written_for():
+    assert hivemind.__version__ == "1.1.12" == adapter.PINNED_VERSION
+
+
+def test_pack_and_unpack_are_hivemind_msgpack():
+    from hivemind.utils import MSGPackSerializer
+
+    value = {"a": [1, 2.5, None, b"\x00raw"], "node": "n-1"}
+    assert adapter.pack(value) == MSGPackSerializer.dumps(value)
+    assert adapter.unpack(adapter.pack(value)) == value
+    with pytest.raises(Exception):  # noqa: B017 - msgpack's own error types; any exception will do
+        adapter.unpack(b"\xc1")
+
+
+@pytest.fixture(scope="module")
+def peers():
+    """Peer A stores an advert (a dictionary value), a plain value and an RSA-signed record; peer B joins from A in
+    client mode, as `gpuswarm dht` does, so what it holds of them is what its own lookups cached."""
+    signer = RSASignatureValidator()
+    dht_a = dht_b = None
+    try:
+        dht_a = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                             record_validators=[NodeAdvertValidator(), signer])
+        dht_b = hivemind.DHT(start=True, client_mode=True, initial_peers=[str(m) for m in dht_a.get_visible_maddrs()],
+                             record_validators=[NodeAdvertValidator(), RSASignatureValidator()])
+        node = Identity(Ed25519PrivateKey.generate())
+        expires = get_dht_time() + 120
+        advert = NodeAdvert(node_id=node.node_id, state=NodeState.IDLE, software_version="test",
+                            resources=Resources(cpu_cores=1, ram_gb=1), expires_at=expires)
+        envelope = node.sign(ADVERT_KIND, advert.model_dump(mode="json")).model_dump(mode="json")
+        assert dht_a.store(NODES_KEY, subkey=node.node_id, value=envelope, expiration_time=expires)
+        assert dht_a.store(PLAIN_KEY, value=[1, "two"], expiration_time=expires)
+        # A subkey naming the local RSA key: hivemind signs the record on store, as its ProgressTracker's are.
+        assert dht_a.store(SIGNED_KEY, subkey=signer.local_public_key, value={"epoch": 3}, expiration_time=expires)
+        yield {"a": dht_a, "b": dht_b, "node_id": node.node_id, "envelope": envelope, "owner": signer.local_public_key}
+    finally:
+        for dht in (dht_b, dht_a):
+            if dht is not None:
+                dht.shutdown()
+
+
+# Run in the DHT's process by DHT.run_coroutine, as gpuswarm.dht.inspect does.
+
+async def _lookup_then_cached(_dht, node, keys=(NODES_KEY, PLAIN_KEY, SIGNED_KEY, "gpuswarm.test.absent")):
+    out = {}
+    for key in keys:
+        await node.get(key, latest=True)
+        out[key] = adapter.cached_record(node, key)
+    return out
+
+
+async def _local_records(_dht, node):
+    return adapter.local_records(node)
+
+
+async def _own_id(_dht, node):
+    return node.node_id.to_bytes()
+
+
+async def _routing_and_pings(_dht, node):
+    from hivemind.p2p import PeerID
+
+    table = adapter.routing_peers(node)
+    pings = {str(peer_id): await adapter.ping(node, peer_id) for peer_id in table}
+    stranger = PeerID.from_base58("QmTRV6i8uCMYWGxWqpXdKs4XQXqPjbqE2uPJzCaUBTtSak")  # no address: cannot answer
+    return {str(p): i for p, i in table.items()}, pings, await adapter.ping(node, stranger)
+
+
+def test_key_id_is_the_hash_records_are_stored_under(peers):
+    held = {(r["key_id"], r["where"]): r for r in peers["a"].run_coroutine(_local_records)}
+    advert = held[(adapter.key_id(NODES_KEY).hex(), "storage")]
+    assert advert["subkeys"] == 1 and advert["expiration"] > get_dht_time()
+    assert held[(adapter.key_id(PLAIN_KEY).hex(), "storage")]["subkeys"] is None
+    assert (adapter.key_id("gpuswarm.test.absent").hex(), "storage") not in held
+    assert len(adapter.key_id(NODES_KEY)) == 20
+
+
+def test_cached_record_holds_the_raw_record_a_lookup_found(peers):
+    found = peers["b"].run_coroutine(_lookup_then_cached)
+    advert = found[NODES_KEY]
+    assert advert.value is None and list(advert.subkeys) == [peers["node_id"]]
+    raw, expiration = advert.subkeys[peers["node_id"]]
+    assert isinstance(raw, bytes) and adapter.unpack(raw) == peers["envelope"] and expiration > get_dht_time()
+    plain = found[PLAIN_KEY]
+    assert plain.subkeys is None and adapter.unpack(plain.value) == [1, "two"]
+    assert found["gpuswarm.test.absent"] is None
+    stored = peers["a"].run_coroutine(_lookup_then_cached)  # A stored them: it reads them from its storage
+    assert adapter.unpack(stored[PLAIN_KEY].value) == [1, "two"]
+    assert list(stored[NODES_KEY].subkeys) == [peers["node_id"]]
+    # The lookups left the records in B's cache, where local_records finds them.
+    cached = {r["key_id"] for r in peers["b"].run_coroutine(_local_records) if r["where"] == "cache"}
+    assert adapter.key_id(NODES_KEY).hex() in cached and adapter.key_id(PLAIN_KEY).hex() in cached
+
+
+def test_rsa_records_are_recognised_and_checked(peers):
+    assert adapter.rsa_owner(peers["owner"]) is not None and adapter.rsa_owner(peers["owner"]) in peers["owner"]
+    assert adapter.rsa_owner(b"gpuswarm.nodes") is None
+    signed = peers["b"].run_coroutine(_lookup_then_cached)[SIGNED_KEY]
+    ((subkey, (raw, expiration)),) = signed.subkeys.items()
+    assert subkey == peers["owner"]  # subkeys come back decoded
+    key_id = adapter.key_id(SIGNED_KEY)
+    ok, stripped = adapter.check_rsa_record(key_id, subkey, raw, expiration)
+    assert ok and adapter.unpack(stripped) == {"epoch": 3}
+    assert adapter.check_rsa_record(key_id, subkey, raw, expiration + 1)[0] is False  # another record's signature
+    tampered = adapter.pack({"epoch": 4}) + raw[len(adapter.pack({"epoch": 3})):]
+    assert adapter.check_rsa_record(key_id, subkey, tampered, expiration)[0] is False
+
+
+def test_routing_peers_and_ping(peers):
+    table, pings, stranger = peers["b"].run_coroutine(_routing_and_pings)
+    a = str(peers["a"].peer_id)
+    assert table[a] == peers["a"].run_coroutine(_own_id)
+    assert pings[a] is True
+    assert stranger is False
+
+
+@pytest.mark.timeout(120)
+def test_run_key_suffixes_are_the_keys_a_real_optimizer_uses():
+    import torch
+
+    run = "gpuswarm_j_00000000a0a0"
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    opt = None
+    try:
+        params = [torch.nn.Parameter(torch.zeros(2))]
+        opt = hivemind.Optimizer(dht=dht, run_id=run, target_batch_size=1, batch_size_per_step=1, params=params,
+                                 optimizer=lambda p: torch.optim.SGD(p, lr=0.1), matchmaking_time=2.0,
+                                 averaging_timeout=5.0, verbose=False)
+        # The matchmaking key exists only while a round looks for a group: steps keep one going.
+        keys = {run + suffix for suffix in adapter.HIVEMIND_RUN_KEY_SUFFIXES}
+        alone = run + "_state_averager.0b"  # state averaging needs a second peer; its prefix is checked below
+        seen: set[str] = set()
+        deadline = time.monotonic() + 60
+        while seen != keys - {alone} and time.monotonic() < deadline:
+            params[0].grad = torch.ones(2)
+            opt.step()
+            for key in sorted(keys - {alone} - seen):
+                if dht.get(key, latest=True) is not None:
+                    seen.add(key)
+        assert seen == keys - {alone}
+        # Both averagers name their keys after their prefix the same way; the grad averager's were seen above.
+        assert opt.grad_averager.prefix + ".0b" in seen and opt.state_averager.prefix + ".0b" == alone
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        dht.shutdown()
