@@ -16,7 +16,6 @@ challenge calls, which only a node makes, so the job owner's slim install never 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -386,8 +385,8 @@ def _blocking(method):
 
 class SyncClient:
     """The same client for callers without an event loop: each call runs the async core to completion on this
-    object's private loop (one call at a time). Called from a thread whose loop is running, a call runs on a
-    short-lived loop in a worker thread instead, since that loop cannot be blocked on."""
+    object's private loop (one call at a time). Async code uses `CoordinatorClient`, or calls this one through
+    `asyncio.to_thread`: a running loop cannot be blocked on."""
 
     def __init__(self, base_url: str = DEFAULT_URL, *, token: str | None = None, timeout: float = 10.0,
                  signer: Signer | None = None):
@@ -404,15 +403,10 @@ class SyncClient:
         return self.api.token
 
     def _run(self, coroutine):
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            with self._lock:
-                if self._loop is None or self._loop.is_closed():
-                    self._loop = asyncio.new_event_loop()
-                return self._loop.run_until_complete(coroutine)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(asyncio.run, coroutine).result()
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(coroutine)
 
     def close(self) -> None:
         with self._lock:

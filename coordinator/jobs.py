@@ -107,12 +107,13 @@ def allows(job: Job, event: Event) -> bool:
     return (JobState(job.state), event) in TRANSITIONS
 
 
-def require(job: Job, event: Event) -> None:
-    """Raise IllegalTransition unless `event` may happen to `job` now: a check ahead of work that cannot be rolled
-    back with the transaction (a file moved into place), before `apply`."""
+def require(job: Job, event: Event) -> JobState:
+    """The state `event` moves `job` to now, or IllegalTransition. `apply` checks this itself; call it alone ahead
+    of work that cannot be rolled back with the transaction (a file moved into place)."""
     state = next_state(JobState(job.state), event)
     if isinstance(state, Refusal):
         raise state.error(job.id)
+    return state
 
 
 def enter(job: Job, state: JobState, now: float) -> None:
@@ -128,9 +129,7 @@ async def apply(session: AsyncSession, job: Job, event: Event, now: float, messa
                 error: str | None = None) -> JobState:
     """Move `job` on `event` inside the caller's transaction: its columns, its history line (`message`), and, when
     it ends, its active assignments (cancelled with it, or finished). Raises IllegalTransition (nothing written)."""
-    state = next_state(JobState(job.state), event)
-    if isinstance(state, Refusal):
-        raise state.error(job.id)
+    state = require(job, event)
     enter(job, state, now)
     if error is not None:
         job.error = error
