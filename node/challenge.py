@@ -1,28 +1,44 @@
-"""The node's side of the GPU challenge: the solver (torch) and the task that takes a challenge when asked.
+"""The node's side of the GPU challenge: the solver (torch), its child process, and the task that takes a challenge
+when asked.
 
 Owns computing C = A @ B for a `proto.challenge.ChallengeIssue` on the device the node claims (CUDA when it
 claims a GPU and torch sees one, else the CPU), committing to C's rows, and answering the reveal. The coordinator
 asks through the heartbeat answer (`"challenge": true`); `Challenger.on_heartbeat` then runs one challenge in the
-background. The matrix work runs in a worker thread, so the daemon's event loop (heartbeats, training supervision)
-never waits on it, and a failed challenge is logged, never raised into the supervisor loop.
+background, and a failed challenge is logged, never raised into the supervisor loop.
+
+Everything that touches torch runs in a child process, one per challenge (`python -m gpuswarm.node.challenge`,
+`SolverProcess`): choosing the device, the warm-up, generation, the product, its copy to the host, the Merkle tree
+and the answer to the reveal. The daemon never imports torch for the challenge, so it holds no CUDA context and no
+cached device memory afterwards; the child exits when the challenge ends, and its GPU memory goes with it. C never
+leaves the child: it is only needed there, to answer the reveal. Why, and how the timed window stays the same:
+docs/decisions/0014-gpu-challenge-in-a-child-process.md.
 
 The CUDA path has not been run on a GPU in this project's CI (no GPU there); the CPU path is what the tests run.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
 import logging
+import os
+import signal
+import sys
 import threading
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from gpuswarm.client.api import CoordinatorUnavailable, Rejected
+from gpuswarm.node.worker import PARENT_PID_ENV, die_with_parent
 from gpuswarm.proto import challenge as proto
+from gpuswarm.proto import logs
 from gpuswarm.proto.api import HeartbeatAnswer
 from gpuswarm.proto.challenge import (
+    MAX_PROOF_BYTES,
     ChallengeCommit,
     ChallengeIssue,
     ChallengeProof,
@@ -32,10 +48,15 @@ from gpuswarm.proto.challenge import (
 )
 from gpuswarm.proto.models import Resources
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("gpuswarm.node.challenge")  # by name: in the solver process, __name__ is "__main__"
 CPU_ROW_BLOCK = 64  # rows of C per CPU matmul (divides GEN_BLOCK): between them the solver checks its deadline
 GIVE_UP_GRACE = 2.0  # seconds past the time limit (own clock) after which an unfinished product is abandoned
 STOP_TIMEOUT = 5.0
+SOLVER_MODULE = "gpuswarm.node.challenge"  # run with -m: the solver process
+READY_TIMEOUT = 300.0  # seconds for the solver process to import torch and warm up (a cold CUDA start is slow)
+DEADLINE_MARGIN = 1.0  # seconds past give_up_at before the daemon kills a solver that has not given up by itself
+EXIT_TIMEOUT = 2.0  # seconds an idle solver gets to exit after its stdin closes, and a terminated one to die
+REPLY_LIMIT = 4 * MAX_PROOF_BYTES  # bytes in one reply line: a proof is at most MAX_PROOF_BYTES of JSON
 
 
 class ChallengeAbandoned(RuntimeError):
@@ -146,13 +167,260 @@ def answer(solution: Solution, reveal: ChallengeReveal, node_id: str) -> Challen
                           rows=rows)
 
 
-class Challenger:
-    """Runs at most one challenge at a time in the background, when the coordinator asks for one."""
+# ---------------------------------------------------------------------------------------------------- solver process
 
-    def __init__(self, client, resources: Resources, node_id: str, *, give_up: bool = True):
+
+class SolverFailed(RuntimeError):
+    """The solver process failed: it raised, crashed, was killed, or answered out of turn."""
+
+
+def solver_command(log_level: str | None = None) -> list[str]:
+    """The command line of the solver process. A `python -m` child, not a fork: the daemon is multi-threaded, and
+    forking it can deadlock the child (docs/decisions/0002)."""
+    if log_level is None:
+        name = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        log_level = name if name in ("debug", "info", "warning", "error") else "info"
+    return [sys.executable, "-m", SOLVER_MODULE, "--log-level", log_level]
+
+
+class SolverProcess:
+    """The daemon's handle on one solver process: one request at a time over stdin, one JSON reply a line on stdout.
+
+    prepare (the resources) -> ready (the device, warmed up); solve (the issue, give_up_at) -> solved (root, seconds)
+    or abandoned; answer (the reveal, node_id) -> proof. Any failure of the child raises SolverFailed here; a child
+    that is slower than the give-up deadline is killed and raises ChallengeAbandoned. Use `start_solver`, which
+    always stops the child, however the challenge ends."""
+
+    def __init__(self, process: asyncio.subprocess.Process):
+        self.process = process
+        self.device: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @classmethod
+    async def spawn(cls, command: Sequence[str]) -> SolverProcess:
+        # Started from the event loop's thread, which lives as long as the daemon: the child's parent-death signal
+        # fires when the thread that started it ends, not only the process. stderr is the daemon's: the child logs
+        # there, in the daemon's format.
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=REPLY_LIMIT,
+                env=os.environ | {PARENT_PID_ENV: str(os.getpid())})
+        except OSError as e:
+            raise SolverFailed(f"cannot start the solver process {list(command)[:3]}: {e}") from None
+        return cls(process)
+
+    async def prepare(self, resources: Resources, timeout: float = READY_TIMEOUT) -> str:
+        """Import torch, choose the device and warm it up: all before the coordinator's clock starts."""
+        try:
+            reply = await self._exchange({"op": "prepare", "resources": resources.model_dump(mode="json")},
+                                         "ready", timeout, ("device",))
+        except TimeoutError:
+            raise SolverFailed(f"the solver process (pid {self.pid}) was not ready after {timeout:.0f}s") from None
+        self.device = str(reply["device"])
+        return self.device
+
+    async def solve(self, issue: ChallengeIssue, give_up_at: float | None) -> tuple[str, float]:
+        """The Merkle root of C and the child's own seconds from generation to root. ChallengeAbandoned: the child
+        gave up at `give_up_at` (time.monotonic: CLOCK_MONOTONIC is one clock for every process on Linux), or it
+        was still busy DEADLINE_MARGIN later (the CUDA path has no point to stop at inside its one matmul) and the
+        caller must stop it."""
+        started = time.monotonic()
+        timeout = None if give_up_at is None else max(0.0, give_up_at - started) + DEADLINE_MARGIN
+        try:
+            reply = await self._exchange({"op": "solve", "issue": issue.model_dump(mode="json"),
+                                          "give_up_at": give_up_at}, "solved", timeout, ("root", "seconds"))
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.terminate()
+            raise ChallengeAbandoned(f"gave up after {time.monotonic() - started:.1f}s: the time limit was "
+                                     f"{issue.time_limit:.1f}s; the solver process is stopped") from None
+        try:
+            return str(reply["root"]), float(reply["seconds"])
+        except (TypeError, ValueError):
+            raise SolverFailed(f"the solver process answered a malformed result: {reply!r:.200}") from None
+
+    async def answer(self, reveal: ChallengeReveal, node_id: str) -> ChallengeProof:
+        reply = await self._exchange({"op": "answer", "reveal": reveal.model_dump(mode="json"), "node_id": node_id},
+                                     "proof", None, ("proof",))
+        try:
+            return ChallengeProof.model_validate(reply["proof"])
+        except ValueError as e:
+            raise SolverFailed(f"the solver process answered a malformed proof: {e}") from None
+
+    async def _exchange(self, request: dict, expected: str, timeout: float | None, fields: tuple[str, ...]) -> dict:
+        stdin = self.process.stdin
+        if stdin is None or self.process.returncode is not None:
+            raise SolverFailed(self._exit_reason())
+        try:
+            stdin.write(json.dumps(request, allow_nan=False).encode() + b"\n")
+            await stdin.drain()
+        except ConnectionError:  # the child is gone: its exit status says why (below)
+            pass
+        async with asyncio.timeout(timeout):
+            reply = await self._reply()
+        event = reply.get("event")
+        if event == expected and all(key in reply for key in fields):
+            return reply
+        if event == "abandoned":
+            raise ChallengeAbandoned(str(reply.get("reason", "the solver gave up")))
+        if event == "failed":
+            raise SolverFailed(f"the solver process failed: {reply.get('error', 'no reason given')}")
+        raise SolverFailed(f"the solver process answered {reply!r:.200} to {request['op']!r}")
+
+    async def _reply(self) -> dict:
+        stdout = self.process.stdout
+        if stdout is None:
+            raise SolverFailed("the solver process has no output pipe")
+        while True:
+            try:
+                line = await stdout.readline()
+            except ValueError:  # longer than REPLY_LIMIT
+                raise SolverFailed("the solver process sent a reply line over the size limit") from None
+            if not line:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.process.wait(), EXIT_TIMEOUT)
+                raise SolverFailed(self._exit_reason())
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                reply = None
+            if isinstance(reply, dict):
+                return reply
+            logger.debug("ignoring a line from the solver process: %.200r", line)
+
+    def _exit_reason(self) -> str:
+        code = self.process.returncode
+        if code is None:
+            return f"the solver process (pid {self.pid}) closed its output"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"the solver process (pid {self.pid}) was killed by {name}"
+        return f"the solver process (pid {self.pid}) exited with code {code}"
+
+    async def stop(self, *, politely: bool = True) -> None:
+        """Bounded. Politely: close its stdin (an idle solver then exits) and wait a little; then SIGTERM, wait, and
+        SIGKILL. A busy solver (cancelled, past its deadline) skips the polite part: it reads nothing while it
+        computes."""
+        process = self.process
+        if process.stdin is not None:
+            process.stdin.close()
+        if process.returncode is None and politely:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), EXIT_TIMEOUT)
+        for send in (process.terminate, process.kill):
+            if process.returncode is not None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                send()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), EXIT_TIMEOUT)
+        if process.returncode is None:
+            logger.error("the solver process (pid %d) survived SIGKILL for %.0fs", process.pid, EXIT_TIMEOUT)
+
+
+@contextlib.asynccontextmanager
+async def start_solver(resources: Resources, command: Sequence[str] | None = None,
+                       ready_timeout: float = READY_TIMEOUT) -> AsyncIterator[SolverProcess]:
+    """A solver process, warmed up for `resources`' device, and stopped (its GPU memory freed) when the block ends:
+    politely when the block ends normally, at once when it raises or is cancelled."""
+    solver = await SolverProcess.spawn(command or solver_command())
+    politely = False
+    try:
+        await solver.prepare(resources, ready_timeout)
+        yield solver
+        politely = True
+    except SolverFailed:
+        politely = True  # it said it failed, or it is gone: either way it is not computing
+        raise
+    finally:
+        if not politely and solver.process.returncode is None:
+            # SIGTERM before any await: a second cancellation during `stop` cannot leave the child computing.
+            with contextlib.suppress(ProcessLookupError):
+                solver.process.terminate()
+        await solver.stop(politely=politely)
+
+
+def solver_main(argv: list[str] | None = None) -> int:
+    """The solver process: requests from the daemon on stdin, one JSON reply a line on stdout. Exits when stdin
+    closes, after the proof, after giving up, or on the first failure (a "failed" reply, exit code 1)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {SOLVER_MODULE}")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    die_with_parent()  # first: SIGTERM when the daemon dies (PR_SET_PDEATHSIG), so no solver outlives it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the daemon, which stops this process
+    # Replies get a private copy of stdout; fd 1 becomes stderr, so a stray print (ours, torch's, a C library's)
+    # can never be taken for a reply.
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    logs.configure(args.log_level, os.environ.get(logs.FORMAT_ENV, "text"), "challenge")
+
+    def reply(event: str, **fields) -> None:
+        replies.write(json.dumps({"event": event, **fields}, allow_nan=False) + "\n")
+        replies.flush()
+
+    device, solution = "cpu", None
+    for line in iter(sys.stdin.buffer.readline, b""):
+        request: object = None
+        try:
+            request = json.loads(line)
+            op = request.get("op") if isinstance(request, dict) else None
+            if op == "prepare":
+                device = choose_device(Resources.model_validate(request["resources"]))
+                warm_up(device)
+                reply("ready", device=device)
+            elif op == "solve":
+                issue = ChallengeIssue.model_validate(request["issue"])
+                try:
+                    solution = solve(issue, device, give_up_at=request.get("give_up_at"))
+                except ChallengeAbandoned as e:
+                    reply("abandoned", reason=str(e))
+                    return 0
+                reply("solved", root=solution.root, seconds=solution.seconds)
+                release_device_memory(device)  # after the reply: outside the timed window
+            elif op == "answer":
+                if solution is None:
+                    raise RuntimeError("asked for an answer before solving")
+                proof = answer(solution, ChallengeReveal.model_validate(request["reveal"]), request["node_id"])
+                reply("proof", proof=proof.model_dump(mode="json"))
+                return 0
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except Exception as e:
+            logger.exception("the challenge solver failed (%.40r)", request.get("op") if isinstance(request, dict)
+                             else request)
+            reply("failed", error=f"{type(e).__name__}: {e}"[:2000])
+            return 1
+    return 0
+
+
+def release_device_memory(device: str) -> None:
+    """Give the caching allocator's blocks back while the solver waits for the reveal (the process's exit frees
+    the rest, the CUDA context included)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------- the task
+
+
+class Challenger:
+    """Runs at most one challenge at a time in the background, when the coordinator asks for one, each in a fresh
+    solver process (`start_solver`)."""
+
+    def __init__(self, client, resources: Resources, node_id: str, *, give_up: bool = True,
+                 solver_command: Sequence[str] | None = None):
         self.client, self.resources, self.node_id, self.give_up = client, resources, node_id, give_up
+        self.solver_command = solver_command  # None: `python -m gpuswarm.node.challenge`
+        self.solver: SolverProcess | None = None  # the running challenge's solver process
         self._task: asyncio.Task | None = None
-        self._cancel = threading.Event()
         self.last_result: ChallengeResult | None = None
 
     @property
@@ -180,28 +448,36 @@ class Challenger:
             logger.exception("GPU challenge failed on this node")
 
     async def run_once(self) -> ChallengeResult | None:
-        """One challenge from start to result. Returns the result, or None if the solver gave up (the coordinator
-        then records a failure when the time limit passes)."""
-        device = await asyncio.to_thread(choose_device, self.resources)
-        await asyncio.to_thread(warm_up, device)
+        """One challenge from start to result. Returns the result, or None if the solver gave up or failed (the
+        coordinator then records a failure when the time limit passes)."""
+        try:
+            async with start_solver(self.resources, self.solver_command) as solver:
+                self.solver = solver
+                return await self._challenge(solver)
+        except SolverFailed as e:
+            logger.error("GPU challenge failed on this node: %s", e)
+            return None
+        finally:
+            self.solver = None
+
+    async def _challenge(self, solver: SolverProcess) -> ChallengeResult | None:
+        # The solver is warmed up: the coordinator's clock starts only now, as it did with an in-process solver.
         issue = await self.client.challenge_start()
         received = time.monotonic()
-        logger.info("GPU challenge %s: n=%d on %s, class %s, %.1fs to commit", issue.challenge_id, issue.n, device,
-                    issue.device_class, issue.time_limit)
+        logger.info("GPU challenge %s: n=%d on %s (solver pid %d), class %s, %.1fs to commit", issue.challenge_id,
+                    issue.n, solver.device, solver.pid, issue.device_class, issue.time_limit)
         give_up_at = received + issue.time_limit + GIVE_UP_GRACE if self.give_up else None
         try:
-            solution = await asyncio.to_thread(solve, issue, device, give_up_at=give_up_at, cancel=self._cancel)
-        except ChallengeAbandoned as e:
+            root, seconds = await solver.solve(issue, give_up_at)
+        except ChallengeAbandoned as e:  # the solver has stopped, or was told to (SIGTERM)
             logger.warning("GPU challenge %s abandoned: %s", issue.challenge_id, e)
             return None
         reply = await self.client.challenge_commit(ChallengeCommit(
-            challenge_id=issue.challenge_id, node_id=self.node_id, root=solution.root,
-            compute_seconds=round(solution.seconds, 6)))
+            challenge_id=issue.challenge_id, node_id=self.node_id, root=root, compute_seconds=round(seconds, 6)))
         if reply.result is not None:
             result = reply.result
         else:
-            proof = await asyncio.to_thread(answer, solution, reply.reveal, self.node_id)
-            del solution
+            proof = await solver.answer(reply.reveal, self.node_id)  # then the solver exits, freeing its memory
             result = await self.client.challenge_proof(proof)
         self.last_result = result
         if result.passed:
@@ -212,9 +488,17 @@ class Challenger:
         return result
 
     async def stop(self) -> None:
-        """Bounded: tell the solver thread to stop at its next block, cancel the task, wait a little."""
-        self._cancel.set()
+        """Bounded: cancel the task; its solver process is terminated (then killed) on the way out."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
                 await asyncio.wait_for(self._task, timeout=STOP_TIMEOUT)
+
+
+if __name__ == "__main__":
+    exit_code = solver_main()
+    logging.shutdown()
+    sys.stderr.flush()
+    # Every reply is flushed and nothing is left to clean up: skip the interpreter's teardown, which takes seconds
+    # with torch loaded on a busy host. The kernel frees the memory and the driver the CUDA context.
+    os._exit(exit_code)

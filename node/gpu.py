@@ -1,10 +1,13 @@
-"""What this machine offers: its GPUs (through nvidia-ml-py when installed and working, else torch.cuda), its CPU
-cores and its RAM."""
+"""What this machine offers: its GPUs (through nvidia-ml-py when installed and working, else torch.cuda asked in a
+child process, so that the daemon never holds a CUDA context), its CPU cores and its RAM."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
 from collections import Counter
 
 from gpuswarm.proto.models import GPUInfo, Resources
@@ -45,15 +48,25 @@ def _nvml_gpus() -> list[tuple[str, float]] | None:
         return None
 
 
+_TORCH_PROBE = """
+import json, torch
+gpus = [] if not torch.cuda.is_available() else [
+    (torch.cuda.get_device_properties(i).name, torch.cuda.get_device_properties(i).total_memory / 2**30)
+    for i in range(torch.cuda.device_count())]
+print(json.dumps(gpus))
+"""
+
+
 def _torch_gpus() -> list[tuple[str, float]]:
+    """The GPUs torch.cuda sees, asked in a child process: initialising CUDA in the daemon itself would keep a
+    CUDA context (GPU memory, visible in nvidia-smi) for the daemon's whole life."""
     try:
-        import torch
-    except ImportError:
+        out = subprocess.run([sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True, timeout=120,
+                             check=True).stdout
+        return [(str(name), float(memory)) for name, memory in json.loads(out.strip().splitlines()[-1])]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        logger.warning("could not probe GPUs through torch.cuda: %s", e)
         return []
-    if not torch.cuda.is_available():
-        return []
-    return [(torch.cuda.get_device_properties(i).name, torch.cuda.get_device_properties(i).total_memory / 2**30)
-            for i in range(torch.cuda.device_count())]
 
 
 def probe(force_cpu: bool = False) -> Resources:

@@ -25,8 +25,21 @@ class ApiModel(BaseModel):
 
 
 class StopView(ApiModel):
+    target: str | None = None
     target_accuracy: float | None = None
     max_epochs: int | None = None
+    max_steps: int | None = None
+    max_seconds: float | None = None
+
+
+class BlobRefView(ApiModel):
+    """A job's code or dataset in the artifact store (`proto.models.CodeRef`, `DatasetRef`)."""
+
+    sha256: str
+    size: int
+    format: str
+    entrypoint: str | None = None  # code only
+    name: str | None = None  # dataset only
 
 
 class RequirementsView(ApiModel):
@@ -41,15 +54,23 @@ class JobSpecView(ApiModel):
     this version's workload catalogue, so that an answer from a newer coordinator still reads."""
 
     name: str = ""
-    workload: str
+    workload: str | None = None
+    code: BlobRefView | None = None
+    dataset: BlobRefView | None = None
     hyperparameters: dict[str, Any] = {}
     stop: StopView = StopView()
+    training: dict[str, Any] = {}
     min_nodes: int = 1
     max_nodes: int = 1
     requirements: RequirementsView = RequirementsView()
     gpus_per_node: int = 1
     max_price_per_gpu_hour: float | None = None
     budget: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """What the job runs, in one word: the built-in workload's name or the owner's entrypoint."""
+        return self.workload or (self.code.entrypoint if self.code and self.code.entrypoint else "custom code")
 
 
 # ---------------------------------------------------------------------------------------------------- general

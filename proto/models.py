@@ -12,9 +12,10 @@ keys this version does not know. Validation errors are the caller's to map (`pro
 from __future__ import annotations
 
 import enum
+import json
 import re
 from functools import partial
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from gpuswarm.proto.strict import OwnerModel, drop_unknown_keys
 from gpuswarm.proto.workloads import WORKLOADS, validate_hyperparameters
@@ -40,6 +41,14 @@ Price = Annotated[float, Field(ge=0, le=1_000_000, allow_inf_nan=False)]
 Count = Annotated[int, Field(ge=0, le=2**53)]
 Multiaddr = Annotated[str, StringConstraints(min_length=4, max_length=512, pattern=r"^/")]
 Credits = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+MAX_PARAMS_JSON = 16 * 1024
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+# `package.module:function`: where the node finds a job owner's workload factory (see gpuswarm.sdk).
+ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+# A stop rule on a metric: "val_bpb <= 2.2", "accuracy >= 0.95".
+TARGET_PATTERN = r"^\s*([A-Za-z_][A-Za-z0-9_./-]{0,63})\s*(<=|>=)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$"
+MetricName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_./-]{0,63}$")]
+Metrics = dict[MetricName, Annotated[float, Field(allow_inf_nan=False)]]
 
 
 # The header of an artifact upload that carries its signed ArtifactMeta (the body is the raw bytes).
@@ -65,11 +74,13 @@ class GPUInfo(WireModel):
 
 
 class Resources(WireModel):
-    """What a node offers. A CPU-only node has no GPUs and states its cores and RAM."""
+    """What a node offers. A CPU-only node has no GPUs and states its cores and RAM. `custom_code`: its operator
+    opted in to running job owners' own code (`node start --allow-custom-code`); built-in workloads run anywhere."""
 
     gpus: list[GPUInfo] = Field(default_factory=list, max_length=16)
     cpu_cores: Annotated[int, Field(ge=1, le=4096)]
     ram_gb: Annotated[float, Field(gt=0, le=65536, allow_inf_nan=False)]
+    custom_code: bool = False
 
     @property
     def gpu_count(self) -> int:
@@ -158,25 +169,85 @@ class Requirements(OwnerModel):
 
 
 class StopRule(OwnerModel):
-    """Training stops at whichever comes first. At least one of the two must be set."""
+    """Training stops at whichever rule is met first; at least one must be set.
 
+    `target` is a rule on any metric the workload's `evaluate` reports, "NAME <= X" or "NAME >= X" (for example
+    "val_bpb <= 2.2"); `target_accuracy = X` is short for "accuracy >= X". `max_epochs` counts passes over the
+    training data and applies to workloads that know their size; `max_steps` counts global (averaged) steps and
+    `max_seconds` the wall time since this run started training."""
+
+    target: Annotated[str, StringConstraints(pattern=TARGET_PATTERN)] | None = None
     target_accuracy: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     max_epochs: Annotated[int, Field(ge=1, le=10_000)] | None = 20
+    max_steps: Annotated[int, Field(ge=1, le=10**9)] | None = None
+    max_seconds: Annotated[float, Field(gt=0, le=366 * 86_400, allow_inf_nan=False)] | None = None
 
     @model_validator(mode="after")
     def _one_rule(self) -> StopRule:
-        if self.target_accuracy is None and self.max_epochs is None:
-            raise ValueError("a stop rule needs target_accuracy, max_epochs or both")
+        if all(v is None for v in (self.target, self.target_accuracy, self.max_epochs, self.max_steps,
+                                   self.max_seconds)):
+            raise ValueError("a stop rule needs target, target_accuracy, max_epochs, max_steps or max_seconds")
         return self
+
+    def metric_targets(self) -> list[tuple[str, str, float]]:
+        """The rules on metrics as (name, "<=" or ">=", threshold)."""
+        rules = []
+        if self.target is not None:
+            name, op, value = re.match(TARGET_PATTERN, self.target).groups()
+            rules.append((name, op, float(value)))
+        if self.target_accuracy is not None:
+            rules.append(("accuracy", ">=", self.target_accuracy))
+        return rules
+
+
+class BlobRef(OwnerModel):
+    """Bytes in the coordinator's content-addressed store, named by their SHA-256."""
+
+    sha256: Sha256
+    size: Count
+
+
+class CodeRef(BlobRef):
+    """A job owner's training code: a directory packed as a tar, or a wheel, and the factory to call in it."""
+
+    format: Literal["tar", "wheel"]
+    entrypoint: Annotated[str, StringConstraints(pattern=ENTRYPOINT_PATTERN, max_length=200)]
+
+
+class DatasetRef(BlobRef):
+    """A job's dataset: one file (`name` is its file name) or a directory packed as a tar (`name` is the
+    directory's name); the node hands the workload the file or the unpacked directory."""
+
+    format: Literal["file", "tar"]
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")]
+
+
+class TrainingOptions(OwnerModel):
+    """How nodes train the job, whatever the workload. `precision = "bf16"` runs the forward pass and the loss
+    under bfloat16 autocast where the device supports it (fp32 elsewhere, said in the job's log). A checkpoint
+    (model, optimizer state, step, data position) is uploaded every `checkpoint_every_steps` global steps or
+    `checkpoint_every_minutes`, whichever comes first; the newest `checkpoints_kept` are kept."""
+
+    precision: Literal["fp32", "bf16"] = "fp32"
+    checkpoint_every_steps: Annotated[int, Field(ge=1, le=10**9)] | None = None
+    checkpoint_every_minutes: Annotated[float, Field(gt=0, le=7 * 24 * 60, allow_inf_nan=False)] | None = 10.0
+    checkpoints_kept: Annotated[int, Field(ge=1, le=100)] = 3
 
 
 class JobSpec(OwnerModel):
-    """What a job owner submits (strict: unknown keys and wrong types are errors)."""
+    """What a job owner submits (strict: unknown keys and wrong types are errors).
+
+    Either `workload` names a built-in workload (its hyper-parameters are checked here against its schema), or
+    `code` refers to the owner's own code in the artifact store (its params are checked by `gpuswarm job submit`
+    against the code's own schema, and again on the node). `dataset`, if any, is handed to the workload."""
 
     name: Annotated[str, StringConstraints(max_length=128)] = ""
-    workload: ShortText
+    workload: ShortText | None = None
+    code: CodeRef | None = None
+    dataset: DatasetRef | None = None
     hyperparameters: dict[str, Any] = Field(default_factory=dict, max_length=64, validate_default=True)
     stop: StopRule = Field(default_factory=StopRule)
+    training: TrainingOptions = Field(default_factory=TrainingOptions)
     min_nodes: Annotated[int, Field(ge=1, le=1024)] = 1
     max_nodes: Annotated[int, Field(ge=1, le=1024)] = 1
     requirements: Requirements = Field(default_factory=Requirements)
@@ -187,23 +258,47 @@ class JobSpec(OwnerModel):
 
     @field_validator("workload")
     @classmethod
-    def _known_workload(cls, value: str) -> str:
-        if value not in WORKLOADS:
+    def _known_workload(cls, value: str | None) -> str | None:
+        if value is not None and value not in WORKLOADS:
             raise ValueError(f"unknown workload {value!r}; known: {', '.join(sorted(WORKLOADS))}")
         return value
 
     @field_validator("hyperparameters")
     @classmethod
     def _workload_hyperparameters(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        # Normalise against the workload's own schema, so that a typo fails at submit, not on a node.
+        # Normalise against the workload's own schema, so that a typo fails at submit, not on a node. The params of
+        # owners' code are checked against that code's schema by the CLI and the node (the coordinator never
+        # imports owners' code), so here they only need to be JSON of bounded size.
         workload = info.data.get("workload")
-        return validate_hyperparameters(workload, value) if workload else value
+        if workload:
+            return validate_hyperparameters(workload, value)
+        if len(json.dumps(value, allow_nan=False)) > MAX_PARAMS_JSON:
+            raise ValueError(f"params are over {MAX_PARAMS_JSON} bytes as JSON")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
+        if (self.workload is None) == (self.code is None):
+            raise ValueError("a job names either a built-in workload or its own code, not both and not neither")
+        if self.workload is not None and self.dataset is not None:
+            raise ValueError(f"workload {self.workload} brings its own data; remove dataset")
         if self.min_nodes > self.max_nodes:
             raise ValueError(f"min_nodes ({self.min_nodes}) is greater than max_nodes ({self.max_nodes})")
         return self
+
+    @property
+    def custom_code(self) -> bool:
+        """The job runs its owner's code: only nodes whose operator opted in may take it."""
+        return self.code is not None
+
+    @property
+    def label(self) -> str:
+        """What the job runs, in one word: the built-in workload's name or the owner's entrypoint."""
+        return self.workload or (self.code.entrypoint if self.code else "?")
+
+    def blob_refs(self) -> list[BlobRef]:
+        """The artifacts the job refers to (its nodes may read them; the store keeps them while the job exists)."""
+        return [ref for ref in (self.code, self.dataset) if ref is not None]
 
 
 # A job spec as the coordinator relays it to a node in its Assignment: the keys a
@@ -235,6 +330,15 @@ class AssignmentState(enum.StrEnum):
         return self is not AssignmentState.ACTIVE
 
 
+class CheckpointRef(WireModel):
+    """A checkpoint among a job's artifacts: its name, bytes and the global step it holds."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")]
+    sha256: Sha256
+    size: Count
+    step: Count
+
+
 class Assignment(WireModel):
     """What the coordinator hands a node: enough to join the job's hivemind run without asking anyone else."""
 
@@ -248,6 +352,10 @@ class Assignment(WireModel):
     shard_index: Annotated[int, Field(ge=0)]
     num_shards: Annotated[int, Field(ge=1)]
     initial_peers: list[Multiaddr] = Field(default_factory=list, max_length=64)
+    # The job's newest checkpoint when this answer was made: nodes that find no peer with the job's state resume
+    # from it instead of from step 0.
+    checkpoint: CheckpointRef | None = None
+
 
 
 class Progress(WireModel):
@@ -261,6 +369,7 @@ class Progress(WireModel):
     accuracy: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     samples_per_second: NonNegFloat = 0.0
     peers: Annotated[int, Field(ge=0, le=100_000)] = 0
+    metrics: Metrics = Field(default_factory=dict, max_length=32)  # everything the workload's evaluate reported
 
 
 class AssignmentFailure(WireModel):
@@ -335,6 +444,16 @@ class ArtifactMeta(WireModel):
     final: bool = False
     accuracy: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     epoch: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    checkpoint_step: Count | None = None  # set: the artifact is a checkpoint of this global step
+    metrics: Metrics | None = Field(default=None, max_length=32)  # a final model's metrics
+
+
+class BlobFetch(WireModel):
+    """Signed by a node to read an artifact of a job it is assigned to (code, dataset or checkpoint)."""
+
+    job_id: JobId
+    node_id: NodeId
+    sha256: Sha256
 
 
 class NewOwner(OwnerModel):

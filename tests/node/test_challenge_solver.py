@@ -1,5 +1,6 @@
-"""The node's GPU-challenge solver on this machine's CPU (torch), and the background task's rules. The CUDA path
-needs a GPU and is not run here."""
+"""The node's GPU-challenge solver on this machine's CPU (torch), and the background task's rules. The solver
+process that runs it for the daemon has its own tests (test_challenge_child.py). The CUDA path needs a GPU and is
+not run here."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from gpuswarm.proto.challenge import ChallengeIssue, ChallengeReveal
 from gpuswarm.proto.models import Resources
 
 N = 512
+WAIT_STEPS = 1200  # of 0.05 s: each challenge first starts a solver process, which imports torch (slow when loaded)
 
 
 def issue(n: int = N) -> ChallengeIssue:
@@ -67,7 +69,7 @@ async def test_the_challenger_starts_only_when_asked_and_never_raises():
     challenger.on_heartbeat({"ok": True, "challenge": True})
     assert challenger.running
     challenger.on_heartbeat({"ok": True, "challenge": True})  # one at a time
-    for _ in range(200):
+    for _ in range(WAIT_STEPS):
         if not challenger.running:
             break
         await asyncio.sleep(0.05)
@@ -91,7 +93,7 @@ async def test_the_daemon_starts_a_challenge_when_its_heartbeat_answer_asks(tmp_
     daemon.registered = True
     await daemon._heartbeat()  # returns at once: the challenge runs in the background
     assert daemon.challenger.running
-    for _ in range(200):
+    for _ in range(WAIT_STEPS):
         if not daemon.challenger.running:
             break
         await asyncio.sleep(0.05)

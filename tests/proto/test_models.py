@@ -175,7 +175,8 @@ def test_job_spec_rejects_bad_market_fields(kw):
 
 
 def test_owner_facing_models_are_strict_and_wire_models_are_not():
-    owner_facing = {JobSpec, StopRule, Requirements, NewOwner, CreditAdjustment}
+    owner_facing = {JobSpec, StopRule, Requirements, NewOwner, CreditAdjustment, models.BlobRef, models.CodeRef,
+                    models.DatasetRef, models.TrainingOptions}
     strict = {cls for _, cls in inspect.getmembers(models, inspect.isclass)
               if issubclass(cls, BaseModel) and cls.__module__ == models.__name__ and issubclass(cls, OwnerModel)}
     assert strict == owner_facing
