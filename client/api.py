@@ -22,15 +22,19 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import quote
 
 import aiohttp
 from gpuswarm.proto.api import (
+    ArtifactInfo,
+    ArtifactList,
     ArtifactStored,
     AssignmentList,
+    BlobsMissing,
+    BlobStored,
     DhtPeers,
     Health,
     HeartbeatAnswer,
@@ -56,6 +60,7 @@ from gpuswarm.proto.models import (
     ArtifactMeta,
     Assignment,
     AssignmentPoll,
+    BlobFetch,
     Heartbeat,
     JobSpec,
     MeshConfig,
@@ -75,8 +80,10 @@ DEFAULT_URL = "http://127.0.0.1:8470"
 MESH_POLL_TIMEOUT = 40.0  # longer than the coordinator holds a mesh long-poll (20 s)
 PROOF_TIMEOUT = 120.0  # the coordinator checks a challenge proof in O(n^2): seconds for the largest
 CHUNK = 1 << 20
+_STREAM = float("inf")  # a request's timeout for uploads: no total limit, but every read must progress
 
 M = TypeVar("M", bound=BaseModel)
+Progress = Callable[[int], None]  # called with the bytes sent or received so far
 
 
 class ApiError(Exception):
@@ -105,6 +112,16 @@ class Signer(Protocol):
     def node_id(self) -> str: ...
 
     def sign(self, kind: str, payload: dict) -> SignedEnvelope: ...
+
+
+def file_digest(path: Path) -> tuple[str, int]:
+    """The SHA-256 (hex) and size of a file, read in chunks."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
 
 
 def _segment(value: str) -> str:
@@ -175,17 +192,24 @@ class CoordinatorClient:
             return CoordinatorUnavailable(message, status=status, code=code)
         return Rejected(message, status=status, code=code)
 
-    async def request(self, method: str, path: str, body: Any = None, *, data: bytes | None = None,
+    async def request(self, method: str, path: str, body: Any = None, *, data: Any = None,
                       headers: Mapping[str, str] | None = None, params: Mapping[str, str] | None = None,
                       timeout: float | None = None) -> Any:
-        """One call with `body` as JSON (or raw `data`); its answer as plain JSON. The typed methods below parse
-        it into their models; this is for what they do not cover (a test's hand-made request)."""
+        """One call with `body` as JSON (or raw `data`: bytes, or an async iterator of chunks, streamed); its answer
+        as plain JSON. The typed methods below parse it into their models; this is for what they do not cover (a
+        test's hand-made request). `timeout`: the whole call's; `_STREAM` (a stream of unknown duration): each
+        connect and read must progress within the client's timeout instead."""
         timeout = timeout or self.timeout
         what = f"{method} {path}"
+        if timeout == _STREAM:
+            limits = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
+            timeout = self.timeout
+        else:
+            limits = aiohttp.ClientTimeout(total=timeout)
         try:
             async with self._session_for_call() as session, session.request(
                     method, self.base_url + path, json=body, data=data, params=params,
-                    headers=self._headers(headers), timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+                    headers=self._headers(headers), timeout=limits) as response:
                 raw = await response.read()
                 status = response.status
         except (aiohttp.ClientError, OSError) as e:  # TimeoutError is an OSError
@@ -268,27 +292,76 @@ class CoordinatorClient:
     async def download_artifact(self, job_id: str, name: str, dest: Path) -> str:
         """Stream an artifact to `dest`, check it against the SHA-256 the coordinator sent, return the digest.
         Written to DEST.part first: `dest` only ever holds a whole, checked file."""
-        tmp = dest.with_name(dest.name + ".part")
-        digest = hashlib.sha256()
-        path = f"/v1/jobs/{_segment(job_id)}/artifacts/{_segment(name)}"
+        return await self._download(f"/v1/jobs/{_segment(job_id)}/artifacts/{_segment(name)}", dest, what=name)
+
+    async def artifacts(self, job_id: str) -> list[ArtifactInfo]:
+        """The job's artifacts (models, checkpoints, the TensorBoard file), oldest first."""
+        return (await self._call(ArtifactList, "GET", f"/v1/jobs/{_segment(job_id)}/artifacts")).artifacts
+
+    # The content-addressed store (docs/decisions/0013): an owner uploads a job's code and dataset before submitting
+    # it. The coordinator answers relative to the owner: a blob is "held" only once this owner uploaded its bytes.
+
+    async def missing_blobs(self, shas: list[str]) -> list[str]:
+        """Those of `shas` (at most 64 per call) that this owner does not hold yet, in the order given."""
+        return (await self._call(BlobsMissing, "POST", "/v1/blobs/missing", body={"sha256": list(shas)})).missing
+
+    async def upload_blob(self, path: Path, sha256: str, size: int, progress: Progress | None = None) -> BlobStored:
+        """Stream the file at `path` (whose SHA-256 and size the caller computed) into the store, in chunks;
+        `progress(bytes_sent_so_far)` after each. The coordinator checks the bytes against `sha256` and `size`."""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            sent = 0
+            with open(path, "rb") as f:
+                while chunk := await asyncio.to_thread(f.read, CHUNK):
+                    sent += len(chunk)
+                    yield chunk
+                    if progress is not None:
+                        progress(sent)
+
+        return await self._call(BlobStored, "PUT", f"/v1/blobs/{_segment(sha256)}", data=chunks(),
+                                headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+                                timeout=_STREAM)
+
+    async def download_blob(self, sha256: str, dest: Path, progress: Progress | None = None) -> str:
+        """Stream a blob this owner holds to `dest` (through DEST.part), check it is `sha256`, return it."""
+        return await self._download(f"/v1/blobs/{_segment(sha256)}", dest, expected=sha256, progress=progress,
+                                    what=f"blob {sha256[:12]}")
+
+    async def _download(self, path: str, dest: Path, *, expected: str | None = None,
+                        headers: Mapping[str, str] | None = None, progress: Progress | None = None,
+                        what: str = "download") -> str:
+        """GET `path` streamed to a temporary file beside `dest`, checked against `expected` (or the answer's
+        X-Content-SHA256), then renamed to `dest`. Returns the SHA-256. A mismatch raises ApiError, no file left."""
+        tmp = dest.with_name(f"{dest.name}.{os.getpid()}.part")
+        digest, received = hashlib.sha256(), 0
         # No total limit (a model may be large): each connect and read must progress within the timeout.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
         try:
             async with self._session_for_call() as session, session.get(
-                    self.base_url + path, headers=self._headers(), timeout=timeout) as response:
+                    self.base_url + path, headers=self._headers(headers), timeout=timeout) as response:
                 if response.status >= 400:
                     raise self._refusal(response.status, await response.read(), f"GET {path}")
-                expected = response.headers.get("X-Content-SHA256")
+                expected = expected or response.headers.get("X-Content-SHA256")
                 with open(tmp, "wb") as f:
                     async for chunk in response.content.iter_chunked(CHUNK):
                         digest.update(chunk)
                         f.write(chunk)
+                        received += len(chunk)
+                        if progress is not None:
+                            progress(received)
         except (aiohttp.ClientError, TimeoutError) as e:
             tmp.unlink(missing_ok=True)
             raise self._unreachable(e, self.timeout) from None
+        except OSError as e:  # the local file (TimeoutError, an OSError too, is caught above)
+            tmp.unlink(missing_ok=True)
+            raise ApiError(f"cannot write {tmp}: {e}") from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         if expected and digest.hexdigest() != expected:
             tmp.unlink(missing_ok=True)
-            raise ApiError(f"download of {name} is corrupt: SHA-256 {digest.hexdigest()} != {expected}")
+            raise ApiError(f"download of {what} is corrupt: SHA-256 {digest.hexdigest()} != {expected}",
+                           code="digest_mismatch")
         tmp.replace(dest)
         return digest.hexdigest()
 
@@ -341,16 +414,41 @@ class CoordinatorClient:
         return await self._signed(RoundAnswer, "/v1/rounds", "round_report", report)
 
     async def upload(self, job_id: str, path: Path, *, final: bool, accuracy: float | None = None,
-                     epoch: float | None = None) -> ArtifactStored:
-        """Upload a file as the job's artifact `path.name`; the signed header binds its size and SHA-256."""
-        data = path.read_bytes()
-        meta = ArtifactMeta(job_id=job_id, node_id=self.node_id, name=path.name,
-                            sha256=hashlib.sha256(data).hexdigest(), size=len(data), final=final,
-                            accuracy=accuracy, epoch=epoch)
+                     epoch: float | None = None, checkpoint_step: int | None = None,
+                     metrics: Mapping[str, float] | None = None, name: str | None = None,
+                     progress: Progress | None = None) -> ArtifactStored:
+        """Upload a file as the job's artifact `name` (default: `path.name`), streamed in chunks; the signed header
+        binds its size and SHA-256. `checkpoint_step` marks a checkpoint of that global step (the coordinator keeps
+        the job's newest few); `metrics` are a final model's."""
+        name = name or path.name
+        sha256, size = await asyncio.to_thread(file_digest, path)
+        meta = ArtifactMeta(job_id=job_id, node_id=self.node_id, name=name, sha256=sha256, size=size, final=final,
+                            accuracy=accuracy, epoch=epoch, checkpoint_step=checkpoint_step,
+                            metrics=dict(metrics) if metrics is not None else None)
         envelope = self._envelope("artifact", meta)
-        return await self._call(ArtifactStored, "PUT", f"/v1/jobs/{_segment(job_id)}/artifacts/{_segment(path.name)}",
-                                data=data, headers={ENVELOPE_HEADER: envelope.model_dump_json(),
-                                                    "Content-Type": "application/octet-stream"})
+
+        async def chunks() -> AsyncIterator[bytes]:
+            sent = 0
+            with open(path, "rb") as f:
+                while chunk := await asyncio.to_thread(f.read, CHUNK):
+                    sent += len(chunk)
+                    yield chunk
+                    if progress is not None:
+                        progress(sent)
+
+        return await self._call(ArtifactStored, "PUT", f"/v1/jobs/{_segment(job_id)}/artifacts/{_segment(name)}",
+                                data=chunks(), timeout=_STREAM,
+                                headers={ENVELOPE_HEADER: envelope.model_dump_json(), "Content-Length": str(size),
+                                         "Content-Type": "application/octet-stream"})
+
+    async def fetch_blob(self, job_id: str, sha256: str, dest: Path, progress: Progress | None = None) -> str:
+        """Node: stream a blob of a job this node is assigned to (its code, dataset or a checkpoint) to `dest`,
+        through a temporary file beside it, and check it is `sha256` (ApiError `digest_mismatch` if not, and no
+        file is left). Returns the SHA-256."""
+        envelope = self._envelope("fetch", BlobFetch(job_id=job_id, node_id=self.node_id, sha256=sha256))
+        return await self._download(f"/v1/jobs/{_segment(job_id)}/blobs/{_segment(sha256)}", dest, expected=sha256,
+                                    headers={ENVELOPE_HEADER: envelope.model_dump_json()}, progress=progress,
+                                    what=f"blob {sha256[:12]} of job {job_id}")
 
     # GPU challenge (proto/challenge.py): start when the heartbeat answer asks, commit the root, prove the rows.
 
@@ -440,6 +538,10 @@ class SyncClient:
     job_statement = _blocking(CoordinatorClient.job_statement)
     whoami = _blocking(CoordinatorClient.whoami)
     download_artifact = _blocking(CoordinatorClient.download_artifact)
+    artifacts = _blocking(CoordinatorClient.artifacts)
+    missing_blobs = _blocking(CoordinatorClient.missing_blobs)
+    upload_blob = _blocking(CoordinatorClient.upload_blob)
+    download_blob = _blocking(CoordinatorClient.download_blob)
     download_tensorboard = _blocking(CoordinatorClient.download_tensorboard)
     create_owner = _blocking(CoordinatorClient.create_owner)
     adjust_credits = _blocking(CoordinatorClient.adjust_credits)
@@ -449,3 +551,4 @@ class SyncClient:
     assignments = _blocking(CoordinatorClient.assignments)
     report_round = _blocking(CoordinatorClient.report_round)
     upload = _blocking(CoordinatorClient.upload)
+    fetch_blob = _blocking(CoordinatorClient.fetch_blob)

@@ -1,14 +1,16 @@
 """`gpuswarm job status JOB --follow`: poll a job until it ends, as a live display on a terminal or one plain line
-per change in a pipe, and the exit code that says how it ended.
+per change in a pipe, and the exit code that says how it ended; and a job's log (`job logs`, with --follow).
 
 Owns the follow loop (retrying while the coordinator is unreachable, up to --timeout), the progress toward the job's
-stop rule, and both renderings. The command itself and its options are client/jobcli.py's.
+stop rule, both renderings, and `log_records` (the job's events, with node failures' full reasons). The commands
+and their options are client/jobcli.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from typing import Any
 
@@ -42,21 +44,44 @@ def duration(seconds: float) -> str:
         f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"
 
 
+TARGET = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_./-]*)\s*(<=|>=)\s*(\S+)\s*$")  # proto.models.TARGET_PATTERN
+
+
 def toward_stop(job: JobDetail) -> tuple[float | None, str]:
     """How far the job is toward its stop rule, 0..1 (None: nothing to measure yet), and what that is measured by.
 
-    Training stops at whichever rule is met first, so with both rules the nearer one counts."""
+    Training stops at whichever rule is met first, so with several rules the nearest one counts."""
     stop, p = job.spec.stop, job.progress
     fractions, parts = [], []
-    if stop.max_epochs:
+    if stop.max_epochs and (p.epoch or job.spec.workload is not None):  # owners' code may not know its epochs
         fractions.append(p.epoch / stop.max_epochs)
         parts.append(f"epoch {p.epoch:.2f}/{stop.max_epochs}")
-    if stop.target_accuracy:
-        if p.accuracy is not None:
-            fractions.append(p.accuracy / stop.target_accuracy)
-        parts.append(f"accuracy {fmt(p.accuracy)}/{stop.target_accuracy}")
+    if stop.max_steps:
+        fractions.append(p.global_step / stop.max_steps)
+        parts.append(f"step {p.global_step}/{stop.max_steps}")
+    if stop.max_seconds and job.started_at:
+        fractions.append(((job.finished_at or time.time()) - job.started_at) / stop.max_seconds)
+        parts.append(f"time {elapsed(job)}/{duration(stop.max_seconds)}")
+    metrics = {**p.metrics, **({"accuracy": p.accuracy} if p.accuracy is not None else {})}
+    for name, op, threshold in metric_rules(job):
+        value = metrics.get(name)
+        if value is not None:
+            fraction = value / threshold if op == ">=" else threshold / value if value > 0 else 1.0
+            fractions.append(max(0.0, fraction))
+        parts.append(f"{name} {fmt(value)} {op} {threshold:g}")
     fraction = 1.0 if job.state == JobState.COMPLETED else min(1.0, max(fractions)) if fractions else None
     return fraction, " or ".join(parts)
+
+
+def metric_rules(job: JobDetail) -> list[tuple[str, str, float]]:
+    """The stop rules on metrics as (name, "<=" or ">=", threshold); a target this version cannot read is left out."""
+    stop, rules = job.spec.stop, []
+    if stop.target and (match := TARGET.match(stop.target)):
+        with contextlib.suppress(ValueError):
+            rules.append((match.group(1), match.group(2), float(match.group(3))))
+    if stop.target_accuracy:
+        rules.append(("accuracy", ">=", stop.target_accuracy))
+    return rules
 
 
 def follow_facts(job: JobDetail) -> list[tuple[str, str]]:
@@ -66,7 +91,9 @@ def follow_facts(job: JobDetail) -> list[tuple[str, str]]:
     if job.contributions:  # peer-attested samples; the job itself keeps no sample count
         facts.append(("samples credited", str(sum(c.samples for c in job.contributions))))
     facts += [("samples/s", f"{p.samples_per_second:.0f}"), ("accuracy", fmt(p.accuracy)),
-              ("loss", fmt(p.loss)), ("peers", str(p.peers)),
+              ("loss", fmt(p.loss))]
+    facts += [(name, f"{value:.4g}") for name, value in sorted(p.metrics.items()) if name not in ("accuracy", "loss")]
+    facts += [("peers", str(p.peers)),
               ("nodes", str(sum(a.state == "active" for a in job.assignments)))]
     return facts
 
@@ -97,7 +124,7 @@ class FollowView:
             job = self.job
             fraction, measure = toward_stop(job)
             lines.append(Text.assemble((job.id, "bold"), f" {job.name}  ", ("state ", "dim"),
-                                       (job.state.value, "bold"), ("  workload ", "dim"), job.spec.workload,
+                                       (job.state.value, "bold"), ("  workload ", "dim"), job.spec.label,
                                        ("  elapsed ", "dim"), elapsed(job)))
             bar = Table.grid(padding=(0, 1))
             bar.add_row(ProgressBar(total=None if fraction is None else 1.0, completed=fraction or 0.0, width=40),
@@ -192,3 +219,53 @@ def poll_until_final(client: SyncClient, job_id: str, interval: float, timeout: 
         if job.state.is_final:
             return job
         ctrl_c.interrupted(wait=interval)
+
+
+# ---------------------------------------------------------------------------------------------------- job logs
+
+
+def log_records(job: JobDetail) -> list[tuple[float, str]]:
+    """The job's events as (time, message), oldest first, a node failure's message with its full reason (events
+    keep only the end of it; the assignment keeps it all), and the job's error when it failed."""
+    full = {(a.ended_at, a.node_id): a.reason for a in job.assignments if a.reason and a.ended_at is not None}
+    records = []
+    for e in job.events:
+        match = re.match(r"^node ([0-9a-f]{16}) failed: ", e.message)
+        reason = full.get((e.at, match.group(1))) if match else None
+        records.append((e.at, f"node {match.group(1)} failed: {reason}" if reason else e.message))
+    if job.error and job.finished_at and not any(job.error in message for _, message in records):
+        records.append((job.finished_at, f"error: {job.error}"))
+    return sorted(records, key=lambda r: r[0])
+
+
+def follow_logs(client: SyncClient, job_id: str, interval: float, as_json: bool) -> int:
+    """Print the job's log, then each new record as it comes, until the job ends: exit 0 when it completed, 1
+    otherwise, 130 on Ctrl-C. A coordinator that cannot be reached is retried every `interval`."""
+    ctrl_c.take_ctrl_c()
+    seen: set[tuple[float, str]] = set()
+    warned = False
+    try:
+        while True:
+            try:
+                job = client.job(job_id)
+            except ApiError as e:
+                if isinstance(e, Rejected):
+                    err.print(f"[red]error:[/red] {escape(e.message)}")
+                    return 1
+                if not warned:
+                    err.print(f"[yellow]warning:[/yellow] {escape(e.message)}; retrying every {interval:g}s")
+                    warned = True
+                ctrl_c.interrupted(wait=interval)
+                continue
+            warned = False
+            for record in log_records(job):
+                if record not in seen:
+                    seen.add(record)
+                    at, message = record
+                    typer.echo(json.dumps({"at": at, "message": message}) if as_json else f"{clock(at)} {message}")
+            if job.state.is_final:
+                return 0 if job.state == JobState.COMPLETED else 1
+            ctrl_c.interrupted(wait=interval)
+    except KeyboardInterrupt:
+        err.print("stopped following; the job keeps running")
+        return 130

@@ -1,8 +1,9 @@
 """Assembly of the coordinator's aiohttp application and its background work.
 
-Owns the configuration, the `cleanup_ctx` steps (database, heartbeat batcher, DHT bootstrap peer, the supervisor
-loop) and the loop itself: marking silent nodes offline, losing their assignments, running the matcher, settling
-ended jobs, reading progress from the DHT, and forgetting expired nonces. Request handling lives in the `views`
+Owns the configuration, the `cleanup_ctx` steps (database and blob store, heartbeat batcher, DHT bootstrap peer, the
+supervisor loop) and the loop itself: marking silent nodes offline, losing their assignments, running the matcher,
+settling ended jobs, reading progress from the DHT, forgetting expired nonces, and every `blob_sweep_interval` the
+blob store's retention pass (`blobs.sweep`). Request handling lives in the `views`
 package; a job the matcher starts moves through `jobs.apply`. This module only wires things together.
 """
 
@@ -18,10 +19,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
-from gpuswarm.coordinator import challenge, dashboard, jobs, ledger, migrate, reputation, tensorboard, views
+from gpuswarm.coordinator import blobs, challenge, dashboard, jobs, ledger, migrate, reputation, tensorboard, views
 from gpuswarm.coordinator.config import (
     ADMIN_TOKEN,
     ADVERTS,
+    BLOB_LOCK,
+    BLOBS,
     CONFIG,
     DHT,
     DHT_PEERS,
@@ -46,6 +49,7 @@ from gpuswarm.coordinator.heartbeats import HeartbeatBatcher
 from gpuswarm.coordinator.matcher import JobView, NodeView, match
 from gpuswarm.coordinator.mesh import MeshVersion
 from gpuswarm.coordinator.metrics import CoordinatorMetrics, metrics_middleware, setup_metrics
+from gpuswarm.coordinator.store import BlobStore, LocalBlobStore
 from gpuswarm.mesh import ipam
 from gpuswarm.proto.models import AssignmentState, JobSpec, JobState, Resources
 from sqlalchemy import select
@@ -77,6 +81,13 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
         # A fresh database and one from an older version both end at the current schema (usually a no-op check).
         await migrate.upgrade(engine)
         app[SESSIONS] = sessionmaker(engine)
+        if BLOBS not in app:  # a test or an operator may have given an object store
+            store = LocalBlobStore(config.blob_dir)
+            store.setup()
+            app[BLOBS] = store
+        app[BLOB_LOCK] = asyncio.Lock()
+        # Artifact files of an older data directory (artifact_dir/JOB/NAME) move into the store, once.
+        await blobs.adopt_legacy_artifacts(app[SESSIONS], app[BLOBS], config.artifact_dir, time.time())
         yield
     finally:
         await engine.dispose()
@@ -130,15 +141,18 @@ async def _supervisor(app: web.Application) -> AsyncIterator[None]:
 async def supervise(app: web.Application) -> None:
     """Run `tick` every loop_interval, or sooner when a request wakes it. One failed tick never ends the loop."""
     config = app[CONFIG]
-    last_observe = 0.0
+    last_observe = last_sweep = 0.0
     while True:
         try:
-            if await tick(app[SESSIONS], config, time.time(), app[METRICS]):
+            if await tick(app[SESSIONS], config, time.time(), app[METRICS], app[BLOBS]):
                 await app[MESH_VERSION].bump()  # nodes went offline: their peers drop them
             if DHT in app and time.monotonic() - last_observe > 5.0:
                 last_observe = time.monotonic()
                 app[ADVERTS] = await observe_adverts(app[DHT])
                 await observe_progress(app[SESSIONS], app[DHT])
+            if time.monotonic() - last_sweep >= config.blob_sweep_interval:
+                last_sweep = time.monotonic()
+                await blobs.sweep(app[SESSIONS], app[BLOBS], app[BLOB_LOCK], time.time(), config.blob_retention)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -195,14 +209,16 @@ async def observe_progress(sessions: async_sessionmaker[AsyncSession], dht) -> N
 
 
 async def tick(sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig, now: float,
-               metrics: CoordinatorMetrics | None = None) -> list[str]:
-    """One pass of the coordinator's bookkeeping. Returns the ids of nodes it found silent and took offline."""
+               metrics: CoordinatorMetrics | None = None, store: BlobStore | None = None) -> list[str]:
+    """One pass of the coordinator's bookkeeping. Returns the ids of nodes it found silent and took offline.
+    `store`: where settlement writes a job's TensorBoard file (None: the local store under the data dir)."""
+    store = store or LocalBlobStore(config.blob_dir)
     async with sessions.begin() as session:
         silent = await _lose_silent_nodes(session, config, now)
         started = time.perf_counter()
         matched = await _match(session, config, now)
         matching_seconds = time.perf_counter() - started
-        await _settle_ended_jobs(session, config, now)
+        await _settle_ended_jobs(session, config, now, store)
         await forget_expired_nonces(session, now)
     if metrics is not None:  # after the commit: assignments that were rolled back are not counted
         metrics.matched(matching_seconds, len(matched))
@@ -277,7 +293,8 @@ async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -
     return taken
 
 
-async def _settle_ended_jobs(session: AsyncSession, config: CoordinatorConfig, now: float) -> None:
+async def _settle_ended_jobs(session: AsyncSession, config: CoordinatorConfig, now: float,
+                             store: BlobStore) -> None:
     """Close the books of jobs that ended at least `settle_grace` seconds ago."""
     ended = (await session.scalars(select(Job).where(
         Job.state.in_([s.value for s in JobState if s.is_final]), Job.settled_at.is_(None),
@@ -289,7 +306,7 @@ async def _settle_ended_jobs(session: AsyncSession, config: CoordinatorConfig, n
             # A savepoint: a failed write takes back only its own rows, never the settlement. The points stay in
             # the database, and GET .../artifacts/tensorboard.tfevents renders them on demand without the file.
             async with session.begin_nested():
-                await tensorboard.store(session, job.id, config.artifact_dir, now)
+                await tensorboard.store(session, job.id, store, now)
         except Exception:
             logger.exception("job %s: writing its TensorBoard event file failed; settling it without", job.id)
 

@@ -28,7 +28,7 @@ coordinator_app = typer.Typer(help="Run the coordinator service.", no_args_is_he
 def serve(
     host: Annotated[str, typer.Option(help="HTTP listen address.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port.")] = 8470,
-    data_dir: Annotated[Path, typer.Option(help="Database (SQLite) and artifact store.")] = Path("var/coordinator"),
+    data_dir: Annotated[Path, typer.Option(help="Database (SQLite) and blob store.")] = Path("var/coordinator"),
     database_url: Annotated[str | None, typer.Option(envvar="DATABASE_URL",
                                                      help="SQLAlchemy async URL (default: SQLite).")] = None,
     dht_host: Annotated[str, typer.Option(help="Address the DHT bootstrap peer binds and announces.")] = "127.0.0.1",
@@ -37,6 +37,10 @@ def serve(
     mesh_cidr: Annotated[str, typer.Option(help="Network the nodes' mesh addresses come from.")] = "10.77.0.0/16",
     settle_grace: Annotated[float, typer.Option(help="Seconds after a job ends before its books close: "
                                                      "unattested claims rejected, unspent budget refunded.")] = 30.0,
+    owner_quota_gb: Annotated[float, typer.Option(min=0, help="Bytes (GiB) of code and data one job owner may hold "
+                                                             "in the blob store.")] = 20.0,
+    blob_retention: Annotated[float, typer.Option(min=0, help="Seconds a blob that no job or artifact references is "
+                                                             "kept after its last use.")] = 24 * 3600.0,
     log_level: LogLevel = "info",
     log_format: LogFormat = "text",
 ) -> None:
@@ -48,7 +52,8 @@ def serve(
 
     logs.configure(log_level, log_format, "coordinator")
     config = CoordinatorConfig(data_dir=data_dir, database_url=database_url, dht_host=dht_host, dht_port=dht_port,
-                               node_timeout=node_timeout, mesh_cidr=mesh_cidr, settle_grace=settle_grace)
+                               node_timeout=node_timeout, mesh_cidr=mesh_cidr, settle_grace=settle_grace,
+                               owner_quota_bytes=int(owner_quota_gb * 1024**3), blob_retention=blob_retention)
     try:
         app = create_app(config)
     except ValueError as e:  # IPAMError for a bad --mesh-cidr

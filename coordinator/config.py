@@ -31,6 +31,11 @@ class CoordinatorConfig:
     challenge_min_interval: float = 60.0  # never sooner than this after the previous one ended
     challenge_proof_timeout: float = 120.0  # seconds from the reveal to the proof
     settle_grace: float = 30.0  # seconds after a job ends before its books close (late reports still count)
+    # The content-addressed store (coordinator/store.py, blobs.py): what one owner may hold, and how long a blob
+    # nothing references is kept after its last use; the retention pass runs every blob_sweep_interval seconds.
+    owner_quota_bytes: int = 20 * 1024**3
+    blob_retention: float = 24 * 3600.0
+    blob_sweep_interval: float = 60.0
 
     @property
     def db_url(self) -> str:
@@ -39,6 +44,10 @@ class CoordinatorConfig:
     @property
     def artifact_dir(self) -> Path:
         return self.data_dir / "artifacts"
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.data_dir / "blobs"
 
     @property
     def admin_token_file(self) -> Path:
@@ -56,4 +65,6 @@ DHT = web.AppKey("dht", object)  # the hivemind.DHT bootstrap peer, when started
 MESH_VERSION = web.AppKey("mesh_version", object)  # coordinator.mesh.MeshVersion
 ADMIN_TOKEN = web.AppKey("admin_token", str)
 HEARTBEATS = web.AppKey("heartbeats", object)  # coordinator.heartbeats.HeartbeatBatcher
+BLOBS = web.AppKey("blobs", object)  # coordinator.store.BlobStore: where artifact and blob bytes live
+BLOB_LOCK = web.AppKey("blob_lock", asyncio.Lock)  # a blob's row and file change together: uploads vs retention
 METRICS = web.AppKey("metrics", object)  # coordinator.metrics.CoordinatorMetrics (its registry is per app)

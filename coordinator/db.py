@@ -110,6 +110,9 @@ class Job(Base):
     owner_id: Mapped[str] = mapped_column(ForeignKey("owners.id"), index=True)
     dht_epoch: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # hivemind's epoch, read from the DHT
     settled_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # escrow refunded, ledger closed
+    # Everything the workload's evaluate reported with the latest progress (val_bpb, ...), and the final model's.
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    final_metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class AssignmentRow(Base):
@@ -204,6 +207,9 @@ class LedgerEntry(Base):
 
 
 class Artifact(Base):
+    """A named artifact of a job (model, checkpoint, TensorBoard file); its bytes are the blob `sha256` in the
+    content-addressed store (coordinator/store.py), which keeps them while any artifact row names them."""
+
     __tablename__ = "artifacts"
     __table_args__ = (UniqueConstraint("job_id", "name"),)
 
@@ -212,11 +218,48 @@ class Artifact(Base):
     name: Mapped[str] = mapped_column(String(64))
     # The uploading node; None for an artifact the coordinator writes itself (the TensorBoard event file).
     node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id"), nullable=True)
-    sha256: Mapped[str] = mapped_column(String(64))
+    # Indexed: a node's fetch and the store's retention look artifacts up by digest.
+    sha256: Mapped[str] = mapped_column(String(64), index=True)
     size: Mapped[int] = mapped_column(BigInteger)  # bytes; max_artifact_bytes may be set above 2 GiB
     final: Mapped[bool] = mapped_column(Boolean, default=False)
     accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
+    checkpoint_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # set: a checkpoint of this step
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # a final model's
+
+
+class Blob(Base):
+    """A blob in the content-addressed store (coordinator/store.py): its bytes exist there under `sha256` once
+    this row is committed. `last_used_at` (an upload, a read, a job submitted with it) starts the retention clock
+    (coordinator/blobs.py) once nothing references it."""
+
+    __tablename__ = "blobs"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_used_at: Mapped[float] = mapped_column(Float, index=True)
+
+
+class BlobHolder(Base):
+    """Owner `owner_id` uploaded the bytes of blob `sha256` itself: only then may it read the blob or name it in a
+    job, and only then does it count against the owner's quota. The bytes are stored once, whoever holds them."""
+
+    __tablename__ = "blob_holders"
+
+    owner_id: Mapped[str] = mapped_column(ForeignKey("owners.id"), primary_key=True)
+    sha256: Mapped[str] = mapped_column(ForeignKey("blobs.sha256"), primary_key=True, index=True)
+    held_at: Mapped[float] = mapped_column(Float)
+
+
+class JobBlob(Base):
+    """Job `job_id`'s spec names blob `sha256` as its `role` (code or dataset): its assigned nodes may read it."""
+
+    __tablename__ = "job_blobs"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    sha256: Mapped[str] = mapped_column(ForeignKey("blobs.sha256"), primary_key=True, index=True)
+    role: Mapped[str] = mapped_column(String(16))
 
 
 class JobEvent(Base):
@@ -248,6 +291,7 @@ class JobProgress(Base):
     accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
     samples_per_second: Mapped[float] = mapped_column(Float)
     peers: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # the workload's evaluate, if any
 
 
 class Challenge(Base):

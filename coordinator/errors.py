@@ -53,6 +53,10 @@ class PaymentRequired(ApiError):
     status, code = 402, "insufficient_funds"
 
 
+class LengthRequired(ApiError):
+    status, code = 411, "length_required"
+
+
 class PayloadTooLarge(ApiError):
     status, code = 413, "payload_too_large"
 

@@ -8,7 +8,8 @@ is written: the same checks as every node request (`auth.node_refusal`), applied
 the batch itself (the database) fails every heartbeat in it, and changes nothing.
 
 Also owns `lose_assignments`, which going offline shares with the admin's revocation, and the job's progress
-history (`JobProgress`): one point per global step, the first report that reached it. A job that fails on node
+history (`JobProgress`): one point per global step, the first report that reached it, with the metrics the
+workload's evaluate reported (the latest of which the job keeps too). A job that fails on node
 failures moves through `jobs.apply`, like every job state change.
 """
 
@@ -159,6 +160,7 @@ async def _apply_one(session: AsyncSession, node: Node, hb: Heartbeat, active: d
             advanced = p.global_step > job.global_step
             job.epoch, job.global_step, job.accuracy, job.loss = p.epoch, p.global_step, p.accuracy, p.loss
             job.samples_per_second, job.peers = p.samples_per_second, p.peers
+            job.metrics = dict(p.metrics) or None
             await _record_point(session, job.id, p, now, advanced, points)
     for f in hb.failures:
         assignment = active.pop(f.job_id, None)  # pop: one failure per assignment, however often it is listed
@@ -194,7 +196,8 @@ async def _record_point(session: AsyncSession, job_id: str, p: Progress, now: fl
             JobProgress.job_id == job_id, JobProgress.global_step == p.global_step).limit(1)) is not None:
         return
     values = {"job_id": job_id, "at": now, "epoch": p.epoch, "global_step": p.global_step, "loss": p.loss,
-              "accuracy": p.accuracy, "samples_per_second": p.samples_per_second, "peers": p.peers}
+              "accuracy": p.accuracy, "samples_per_second": p.samples_per_second, "peers": p.peers,
+              "metrics": dict(p.metrics) or None}
     # Another coordinator on the same database may have written this step meanwhile: keep its point, and do not
     # fail the whole batch of heartbeats over it. (SQLite and PostgreSQL are the two supported databases.)
     dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite

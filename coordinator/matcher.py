@@ -12,7 +12,8 @@ Rules
   those models (case-insensitive). "Every", not "any": GPUs in use are counted per node, not per GPU, so a node's
   GPUs must be interchangeable for the job. A CPU-only node takes only jobs that allow CPU, need no GPU memory or
   model, and take one slot per node (`gpus_per_node == 1`). A `verified_only` job gets only nodes that passed the
-  GPU challenge (`verified`), CPU nodes included.
+  GPU challenge (`verified`), CPU nodes included. A job that runs its owner's own code (`spec.custom_code`) gets
+  only nodes whose operator opted in to running such code (`resources.custom_code`); built-in workloads run on any.
 - Price: the node's ask (`price_per_gpu_hour`; per slot-hour for a CPU node) is at most the job's bid
   (`max_price_per_gpu_hour`; None takes any ask). A match clears at the node's ask: a pay-as-bid reverse auction,
   where each node is paid what it asked and the job never pays more than its bid.
@@ -49,7 +50,8 @@ Score (higher is better; natural-log scale, so +0.69 weighs as much as halving t
   pass do not count as members yet. The term is bounded by ±0.69 (MAX_RTT_BONUS): a close node beats one of
   unknown RTT at up to twice the ask (plus c), and a far one at up to four times, no more.
 
-Cost: nodes with spare capacity are grouped by capability (CPU, or GPU models, smallest GPU memory and verified)
+Cost: nodes with spare capacity are grouped by capability (CPU, or GPU models, smallest GPU memory; verified;
+custom code allowed)
 and each group is sorted once by `node_score`. A job looks only at the groups that meet its requirements and walks
 each from its best node, skipping nodes without room for its GPUs per node (a union-find "next node with room"
 pointer per group and GPU count), until it has what it wants. When the bid rules out most of a group, the walk
@@ -141,6 +143,8 @@ def eligible(node: NodeView, spec: JobSpec) -> bool:
     """Whether the node may ever serve the job: requirements, verification and price (not liveness or load)."""
     if spec.requirements.verified_only and not node.verified:
         return False
+    if spec.custom_code and not node.resources.custom_code:
+        return False
     bid = spec.max_price_per_gpu_hour
     if bid is not None and not node.price_per_gpu_hour <= bid:
         return False
@@ -219,18 +223,20 @@ class _Room:
 class _Group:
     """Nodes of one capability, best `node_score` first, with a `_Room` per number of GPUs that jobs ask for."""
 
-    __slots__ = ("order", "asks", "by_ask", "rooms", "is_cpu", "verified", "models", "min_memory")
+    __slots__ = ("order", "asks", "by_ask", "rooms", "is_cpu", "verified", "models", "min_memory", "custom_code")
 
     def __init__(self, key: tuple, members: list[int], base: list[float], ask: list[float]):
-        self.is_cpu, self.verified, self.models, self.min_memory = key
+        self.is_cpu, self.verified, self.models, self.min_memory, self.custom_code = key
         self.order = sorted(members, key=lambda i: (-base[i], i))  # i is the node's rank by id
         self.by_ask = sorted(members, key=lambda i: (ask[i], i))
         self.asks = [ask[i] for i in self.by_ask]
         self.rooms: dict[int, _Room] = {}
 
     def serves(self, allow_cpu_slot: bool, min_memory: float, allowed: frozenset[str] | None,
-               verified_only: bool) -> bool:
+               verified_only: bool, custom_code: bool) -> bool:
         if verified_only and not self.verified:
+            return False
+        if custom_code and not self.custom_code:
             return False
         if self.is_cpu:
             return allow_cpu_slot
@@ -243,10 +249,11 @@ class _Group:
 
 
 def _capability(node: NodeView) -> tuple:
-    gpus = node.resources.gpus
+    gpus, custom = node.resources.gpus, node.resources.custom_code
     if not gpus:
-        return (True, node.verified, frozenset(), 0.0)
-    return (False, node.verified, frozenset(g.model.casefold() for g in gpus), min(g.memory_gb for g in gpus))
+        return (True, node.verified, frozenset(), 0.0, custom)
+    return (False, node.verified, frozenset(g.model.casefold() for g in gpus), min(g.memory_gb for g in gpus),
+            custom)
 
 
 def match(jobs: Iterable[JobView], nodes: Sequence[NodeView], now: float, *, liveness: float) -> list[Match]:
@@ -320,7 +327,7 @@ class _Market:
         req, gpus = spec.requirements, spec.gpus_per_node
         allowed = frozenset(m.casefold() for m in req.gpu_models) if req.gpu_models else None
         allow_cpu_slot = req.allow_cpu and gpus == 1 and req.min_gpu_memory_gb == 0 and allowed is None
-        key = (allow_cpu_slot, req.min_gpu_memory_gb, allowed, req.verified_only)
+        key = (allow_cpu_slot, req.min_gpu_memory_gb, allowed, req.verified_only, spec.custom_code)
         if (serving := self.serving.get(key)) is None:
             numbers = [g for g, grp in enumerate(self.groups) if grp.serves(*key)]
             serving = self.serving[key] = ([self.groups[g] for g in numbers], frozenset(numbers))

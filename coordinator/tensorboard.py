@@ -1,27 +1,26 @@
 """A job's progress history (`JobProgress` rows) as a TensorBoard event file.
 
 Owns the encoding (tensorboardX's protos, TFRecord framing), the name the file has among the job's artifacts, and
-storing it there as an `Artifact` row the coordinator itself wrote (no node). It reads points and writes one
-artifact; it never changes a job, and nothing here runs on the event loop's thread for long: the encoding and the
-file write are plain functions, which callers run in an executor.
+storing it there as an `Artifact` row the coordinator itself wrote (no node), its bytes a blob in the store
+(`coordinator.store`). It reads points and writes one artifact; it never changes a job, and nothing here runs on the
+event loop's thread for long: the encoding is a plain function, which callers run in an executor.
 
 One event per point, at step = global_step and wall time = the point's `at`, with the scalars `loss`, `accuracy`
-(when reported), `samples_per_second`, `peers` and `epoch`. `tensorboard --logdir DIR` reads the file wherever its
+(when reported), `samples_per_second`, `peers` and `epoch`, and every metric the workload's evaluate reported
+(under `metrics/NAME`). `tensorboard --logdir DIR` reads the file wherever its
 name contains "tfevents".
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
-import secrets
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
+from gpuswarm.coordinator import blobs
 from gpuswarm.coordinator.db import Artifact, JobProgress
+from gpuswarm.coordinator.store import BlobStore, put_bytes
 from gpuswarm.proto.models import TENSORBOARD_ARTIFACT
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -44,6 +43,11 @@ class Point:
     accuracy: float | None
     samples_per_second: float
     peers: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:  # a row from before metrics were recorded
+            object.__setattr__(self, "metrics", {})
 
 
 def _record(data: bytes) -> bytes:
@@ -59,28 +63,15 @@ def encode(points: Iterable[Point], created_at: float) -> bytes:
         values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in
                   (("loss", p.loss), ("accuracy", p.accuracy), ("samples_per_second", p.samples_per_second),
                    ("peers", p.peers), ("epoch", p.epoch)) if value is not None]
+        values += [Summary.Value(tag=f"metrics/{name}", simple_value=float(value))
+                   for name, value in sorted(p.metrics.items())]
         event = Event(wall_time=p.at, step=p.global_step, summary=Summary(value=values))
         out.append(_record(event.SerializeToString()))
     return b"".join(out)
 
 
-def write_file(directory: Path, name: str, data: bytes) -> str:
-    """Write `data` to directory/name atomically (a partial file never carries the name); returns its SHA-256."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.{name}.{secrets.token_hex(4)}.part"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / name)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return hashlib.sha256(data).hexdigest()
-
-
 POINT_COLUMNS = (JobProgress.at, JobProgress.epoch, JobProgress.global_step, JobProgress.loss, JobProgress.accuracy,
-                 JobProgress.samples_per_second, JobProgress.peers)
+                 JobProgress.samples_per_second, JobProgress.peers, JobProgress.metrics)
 
 
 async def load_points(session: AsyncSession, job_id: str) -> list[Point]:
@@ -96,16 +87,17 @@ async def render(points: list[Point], now: float) -> bytes:
     return await asyncio.get_running_loop().run_in_executor(None, encode, points, now)
 
 
-async def store(session: AsyncSession, job_id: str, artifact_dir: Path, now: float) -> Artifact | None:
-    """Write the job's event file among its artifacts and record it, in the caller's transaction (which stays open
-    while the file is encoded and written, off the event loop). A job with no points gets no file. The file
-    replaces an earlier one; should the transaction roll back, the next attempt writes it again."""
+async def store(session: AsyncSession, job_id: str, blob_store: BlobStore, now: float) -> Artifact | None:
+    """Write the job's event file into the blob store and record it among the job's artifacts, in the caller's
+    transaction (which stays open while the file is encoded off the event loop). A job with no points gets no
+    file. The file replaces an earlier one; should the transaction roll back, the next attempt writes it again
+    (the bytes already stored are then unnamed, and the retention pass removes them)."""
     points = await load_points(session, job_id)
     if not points:
         return None
     data = await render(points, now)
-    digest = await asyncio.get_running_loop().run_in_executor(None, write_file, artifact_dir / job_id, ARTIFACT_NAME,
-                                                              data)
+    digest = await put_bytes(blob_store, data)
+    await blobs.record_blob(session, digest, len(data), now)
     await session.execute(delete(Artifact).where(Artifact.job_id == job_id, Artifact.name == ARTIFACT_NAME))
     artifact = Artifact(job_id=job_id, name=ARTIFACT_NAME, node_id=None, sha256=digest, size=len(data),
                         final=False, accuracy=None, created_at=now)

@@ -44,6 +44,12 @@ def start(
                                               "http://METRICS_HOST:PORT/metrics (9465 is customary); 0: off.")] = 0,
     metrics_host: Annotated[str, typer.Option(help="Address the metrics endpoint binds (it is unauthenticated: "
                                               "keep it on loopback or a private network).")] = "127.0.0.1",
+    allow_custom_code: Annotated[bool, typer.Option(
+        "--allow-custom-code/--builtin-only", envvar="GPUSWARM_ALLOW_CUSTOM_CODE",
+        help="Run job owners' own training code (advertised; the matcher sends such jobs only to nodes that "
+             "opted in). Built-in workloads run either way.")] = False,
+    cache_gb: Annotated[float, typer.Option(min=0.001, help="Bound of the artifact cache (job code, datasets, "
+                                            "checkpoints) under STATE_DIR/cache, in GiB.")] = 20.0,
     log_level: LogLevel = "info",
     log_format: LogFormat = "text",
 ) -> None:
@@ -63,11 +69,15 @@ def start(
     except IdentityError as e:
         log.error("%s", e)
         raise typer.Exit(1) from None
+    if allow_custom_code:
+        log.warning("--allow-custom-code: this node runs job owners' own code, with the daemon's user rights "
+                    "(no sandbox yet): opt in only on a machine you can wipe")
     if not mesh:
         log.warning("--no-mesh: hivemind traffic on %s is NOT encrypted (development only)", host)
     config = NodeConfig(coordinator_url=coordinator, state_dir=state_dir, host=host, price_per_gpu_hour=price,
                         endpoints=[host], mesh=mesh, mesh_listen_port=listen_port, mesh_endpoints=endpoint or [],
-                        metrics_host=metrics_host, metrics_port=metrics_port)
+                        metrics_host=metrics_host, metrics_port=metrics_port, allow_custom_code=allow_custom_code,
+                        cache_max_bytes=int(cache_gb * 1024**3))
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -75,7 +85,8 @@ def start(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         async with CoordinatorClient(coordinator, identity) as client:
-            await NodeDaemon(config, identity, probe(force_cpu=cpu), client).run(stop)
+            resources = probe(force_cpu=cpu).model_copy(update={"custom_code": allow_custom_code})
+            await NodeDaemon(config, identity, resources, client).run(stop)
 
     code = 0
     try:
@@ -109,22 +120,44 @@ def evaluate(
     model: Annotated[Path, typer.Argument(help="A model file saved by a job (see `gpuswarm job download`).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Load a saved model and measure its accuracy on the workload's fixed test split."""
+    """Rebuild a built-in workload's saved model and measure it again on the workload's fixed held-out data.
+
+    A model trained by a job owner's own code needs that code: this prints the metrics the job saved with it and
+    exits with status 2."""
     with needs_extra("node"):
-        import torch
-        from gpuswarm.node.workloads import IMPLEMENTATIONS
+        from gpuswarm.node.workloads.saved import evaluate_builtin, read_model_file
+        from gpuswarm.sdk.loader import WorkloadError
 
     try:
-        saved = torch.load(model, map_location="cpu", weights_only=True)
-        workload = IMPLEMENTATIONS[saved["workload"]]
-        accuracy = workload.evaluate_saved(str(model))
-    except (OSError, KeyError, RuntimeError, ValueError) as e:
-        typer.echo(f"error: cannot evaluate {model}: {e!r}", err=True)
+        saved = read_model_file(model)
+    except (OSError, ValueError) as e:
+        typer.echo(f"error: cannot read {model}: {e}", err=True)
         raise typer.Exit(1) from None
-    reported = saved.get("metadata", {}).get("accuracy")
+    reported = saved.metrics
+
+    def _format_metrics(metrics: dict[str, float]) -> str:
+        return ", ".join(f"{name} {value:.4f}" for name, value in sorted(metrics.items()))
+
+    if saved.workload is None:
+        message = (f"{model}: trained by the job owner's code ({saved.entrypoint}); re-evaluating it needs that "
+                   "code (torch.load the file and load its state_dict into the owner's model class)")
+        if as_json:
+            typer.echo(json.dumps({"model": str(model), "workload": None, "entrypoint": saved.entrypoint,
+                                   "metrics": None, "reported_metrics": reported, "needs_owner_code": True}))
+        else:
+            typer.echo(message)
+            if reported:
+                typer.echo(f"  metrics saved with it: {_format_metrics(reported)}")
+        raise typer.Exit(2)
+    try:
+        metrics = evaluate_builtin(saved)
+    except (WorkloadError, KeyError, RuntimeError, ValueError) as e:  # unknown built-in, bad params, wrong shapes
+        typer.echo(f"error: cannot evaluate {model}: {e}", err=True)
+        raise typer.Exit(1) from None
     if as_json:
-        typer.echo(json.dumps({"model": str(model), "workload": saved["workload"], "accuracy": accuracy,
-                               "reported_accuracy": reported}))
+        typer.echo(json.dumps({"model": str(model), "workload": saved.workload, "metrics": metrics,
+                               "reported_metrics": reported, "accuracy": metrics.get("accuracy"),
+                               "reported_accuracy": reported.get("accuracy")}))
     else:
-        typer.echo(f"{model}: {saved['workload']} test accuracy {accuracy:.4f} (reported {reported:.4f})"
-                   if reported is not None else f"{model}: test accuracy {accuracy:.4f}")
+        typer.echo(f"{model}: {saved.workload} {_format_metrics(metrics)}"
+                   + (f" (reported {_format_metrics(reported)})" if reported else ""))

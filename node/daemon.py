@@ -16,16 +16,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpuswarm.client.api import CoordinatorUnavailable, Rejected
+from gpuswarm.client.api import ApiError, CoordinatorUnavailable, Rejected
 from gpuswarm.node.advertiser import Advertiser
+from gpuswarm.node.cache import ArtifactCache, CacheError
 from gpuswarm.node.challenge import Challenger
 from gpuswarm.node.identity import Identity
 from gpuswarm.node.meshlink import MeshLink, MeshUnavailable
 from gpuswarm.node.metrics import GpuReader, MeshPeerStats, MetricsServer, NodeMetrics, NodeSnapshot
 from gpuswarm.node.outbox import Outbox
-from gpuswarm.node.runner import JobRunner, RunningJob
+from gpuswarm.node.runner import JobInputs, JobRunner, RunningJob
 from gpuswarm.node.states import Facts, next_state
 from gpuswarm.proto.models import (
+    Assignment,
     AssignmentFailure,
     Heartbeat,
     NodeRegistration,
@@ -58,14 +60,20 @@ class NodeConfig:
     mesh_endpoints: list[str] = field(default_factory=list)  # candidates for peers; empty = this host's addresses
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0: no metrics endpoint
+    allow_custom_code: bool = False  # the operator opted in to running job owners' own code
+    cache_max_bytes: int = 20 * 1024**3  # bound of the artifact cache (job code, datasets, checkpoints)
 
 
 @dataclass
 class PendingUpload:
+    """A final model or a checkpoint the training process saved, waiting for the coordinator to take it."""
+
     job_id: str
     path: Path
-    accuracy: float | None
-    epoch: float | None
+    accuracy: float | None = None
+    epoch: float | None = None
+    metrics: dict | None = None
+    checkpoint_step: int | None = None  # set: a checkpoint (only the newest pending one of a job is kept)
 
 
 class NodeDaemon:
@@ -76,7 +84,10 @@ class NodeDaemon:
         self.reachable = True
         self.interval = 2.0
         self.outbox = Outbox(config.state_dir / "outbox")
-        self.runner = JobRunner(config.state_dir / "jobs", config.host, self._on_event)
+        self.runner = JobRunner(config.state_dir / "jobs", config.host, self._on_event, gpu_count=resources.gpu_count)
+        self.cache = ArtifactCache(config.state_dir / "cache", config.cache_max_bytes)
+        self._preparing: dict[str, asyncio.Task] = {}  # job id -> fetching its inputs, then starting it
+        self._preparing_for: dict[str, Assignment] = {}
         self.advertiser = Advertiser(identity, resources, __version__, config.price_per_gpu_hour, config.host,
                                      ttl=30.0)
         self._dht_peers: list[str] = []
@@ -262,6 +273,10 @@ class NodeDaemon:
             logger.error("assignment poll refused: %s", e)
             return
         active = {a.job_id: a for a in assignments}
+        for job_id, task in list(self._preparing.items()):
+            if job_id not in active:
+                logger.info("job %s is no longer ours; dropping the fetch of its inputs", job_id)
+                task.cancel()
         for job_id in list(self.runner.running):
             if job_id not in active and job_id not in self._stopping:
                 logger.info("job %s is no longer ours (ended, cancelled or reassigned); stopping", job_id)
@@ -272,13 +287,70 @@ class NodeDaemon:
                 self._stop_tasks.add(task)
                 task.add_done_callback(self._stop_tasks.discard)
         for a in assignments:
-            if a.job_id in self.runner.running or a.assignment_id in self._seen_assignments:
+            if a.job_id in self.runner.running or a.job_id in self._preparing \
+                    or a.assignment_id in self._seen_assignments:
                 continue
             self._seen_assignments.add(a.assignment_id)
+            # In the background: downloading a dataset may take minutes, and heartbeats must go on meanwhile.
+            task = asyncio.create_task(self._prepare_and_start(a), name=f"prepare-{a.job_id}")
+            self._preparing[a.job_id], self._preparing_for[a.job_id] = task, a
+            task.add_done_callback(lambda _, job_id=a.job_id: (self._preparing.pop(job_id, None),
+                                                               self._preparing_for.pop(job_id, None)))
+
+    def _fail(self, job_id: str, reason: str) -> None:
+        logger.error("job %s failed: %s", job_id, reason)
+        self._failures.append(AssignmentFailure(job_id=job_id, reason=reason[:2000]))
+
+    async def _prepare_and_start(self, a: Assignment) -> None:
+        """Fetch the job's code, dataset and newest checkpoint into the cache (verified), then start training."""
+        if a.spec.custom_code and not self.config.allow_custom_code:
+            return self._fail(a.job_id, "this node does not run job owners' code (its operator has not opted in)")
+        try:
+            inputs = await self._fetch_inputs(a)
+        except asyncio.CancelledError:
+            raise
+        except (CacheError, ApiError, OSError) as e:
+            return self._fail(a.job_id, f"could not fetch the job's inputs: {e}")
+        except Exception as e:  # a bug must not leave the assignment active with nothing running
+            logger.exception("fetching the inputs of %s failed", a.job_id)
+            return self._fail(a.job_id, f"could not fetch the job's inputs: {e!r}")
+        if len(self.runner.free_gpus()) < (a.spec.gpus_per_node if self.runner.gpu_count else 0) and self._stop_tasks:
+            # A job being stopped still holds its GPUs: give it its time to leave first.
+            await asyncio.wait(set(self._stop_tasks), timeout=STOP_TIMEOUT + 5)
+        try:
+            await self.runner.start(a, inputs)
+        except OSError as e:
+            self._fail(a.job_id, f"could not start training: {e}")
+
+    def _cache_keep(self) -> set[str]:
+        """Blobs that running and starting jobs use: never evicted to make room for another."""
+        assignments = [job.assignment for job in self.runner.running.values()] + list(self._preparing_for.values())
+        return {ref.sha256 for a in assignments for ref in a.spec.blob_refs()} | {
+            a.checkpoint.sha256 for a in assignments if a.checkpoint is not None}
+
+    async def _fetch_inputs(self, a: Assignment) -> JobInputs:
+        spec = a.spec
+
+        async def fetch(sha256: str, size: int, what: str) -> Path:
+            return await self.cache.get(sha256, size, lambda dest: self.client.fetch_blob(a.job_id, sha256, dest),
+                                        keep=self._cache_keep(), what=what)
+
+        code = dataset = checkpoint = None
+        if a.checkpoint is not None:  # first: the coordinator prunes old checkpoints while datasets download
             try:
-                await self.runner.start(a)
-            except OSError as e:
-                self._failures.append(AssignmentFailure(job_id=a.job_id, reason=f"could not start training: {e}"))
+                checkpoint = await fetch(a.checkpoint.sha256, a.checkpoint.size, f"checkpoint {a.checkpoint.name}")
+            except Rejected as e:  # pruned meanwhile: a newer one exists, so live peers hold the state
+                logger.warning("checkpoint %s of %s is gone (%s); starting without it", a.checkpoint.name,
+                               a.job_id, e)
+        if spec.code is not None:
+            code = await fetch(spec.code.sha256, spec.code.size, "code")
+            if spec.code.format == "tar":
+                code = await self.cache.unpacked(spec.code.sha256, code, keep=self._cache_keep())
+        if spec.dataset is not None:
+            dataset = await fetch(spec.dataset.sha256, spec.dataset.size, "dataset")
+            dataset = await self.cache.unpacked(spec.dataset.sha256, dataset, keep=self._cache_keep()) \
+                if spec.dataset.format == "tar" else self.cache.named(spec.dataset.sha256, spec.dataset.name)
+        return JobInputs(code=code, dataset=dataset, checkpoint=checkpoint)
 
     def _on_event(self, job: RunningJob, event: dict) -> None:
         self.metrics.observe(event)
@@ -287,10 +359,21 @@ class NodeDaemon:
             self.outbox.add(RoundReport(job_id=job.assignment.job_id, node_id=self.identity.node_id,
                                         epoch=event["epoch"], solo=event.get("solo", False), claims=event["claims"]))
         elif kind == "finished":
-            logger.info("job %s reached its stop rule (accuracy %.4f); uploading the model",
-                        job.assignment.job_id, event.get("accuracy", 0.0))
+            logger.info("job %s reached its stop rule (%s); uploading the model", job.assignment.job_id,
+                        event.get("reason", "done"))
             self._uploads.append(PendingUpload(job.assignment.job_id, Path(event["path"]), event.get("accuracy"),
-                                               event.get("epoch")))
+                                               event.get("epoch"), event.get("metrics")))
+        elif kind == "resumed":
+            logger.info("job %s resumed from %s at step %s", job.assignment.job_id, event.get("checkpoint"),
+                        event.get("step"))
+        elif kind == "checkpoint":
+            # Only the newest checkpoint of a job is worth uploading; an older one still waiting is dropped.
+            job_id = job.assignment.job_id
+            for old in [u for u in self._uploads if u.job_id == job_id and u.checkpoint_step is not None]:
+                self._uploads.remove(old)
+                old.path.unlink(missing_ok=True)
+            self._uploads.append(PendingUpload(job.assignment.job_id, Path(event["path"]),
+                                               checkpoint_step=int(event["step"])))
         elif kind == "progress" and job.progress is not None:
             p = job.progress
             logger.info("job %s epoch %.2f step %d accuracy %s peers %d", p.job_id, p.epoch, p.global_step,
@@ -318,16 +401,25 @@ class NodeDaemon:
 
     async def _flush_uploads(self) -> None:
         for upload in list(self._uploads):
+            what = "the final model" if upload.checkpoint_step is None else f"checkpoint {upload.path.name}"
             try:
-                await self.client.upload(upload.job_id, upload.path, final=True, accuracy=upload.accuracy,
-                                         epoch=upload.epoch)
-                logger.info("uploaded the final model of %s", upload.job_id)
+                if upload.checkpoint_step is None:
+                    await self.client.upload(upload.job_id, upload.path, final=True, accuracy=upload.accuracy,
+                                             epoch=upload.epoch, metrics=upload.metrics)
+                else:
+                    await self.client.upload(upload.job_id, upload.path, final=False, name=upload.path.name,
+                                             checkpoint_step=upload.checkpoint_step)
+                    upload.path.unlink(missing_ok=True)
+                logger.info("uploaded %s of %s", what, upload.job_id)
             except CoordinatorUnavailable:
                 return  # keep it for the next round
             except Rejected as e:
                 level = logging.INFO if e.code == "job_final" else logging.ERROR
-                logger.log(level, "final model of %s not taken: %s", upload.job_id, e.message)
-            self._uploads.remove(upload)
+                logger.log(level, "%s of %s not taken: %s", what, upload.job_id, e.message)
+            except OSError as e:
+                logger.error("%s of %s cannot be read: %s", what, upload.job_id, e)
+            if upload in self._uploads:  # a newer checkpoint may have replaced it during the upload
+                self._uploads.remove(upload)
 
     async def _flush_outbox(self) -> None:
         for report in self.outbox.pending():
@@ -350,6 +442,8 @@ class NodeDaemon:
     async def shutdown(self) -> None:
         """Bounded: stop training, flush what can be flushed, say goodbye to the coordinator and the DHT."""
         self.transition(stop_requested=True)
+        for task in self._preparing.values():
+            task.cancel()
         self._stopping.update(self.runner.running)
         await self.runner.stop_all(timeout=min(STOP_TIMEOUT, self.config.shutdown_timeout / 2))
         self._collect_exits()

@@ -57,7 +57,7 @@ class NodeSnapshot:
     state: NodeState
     coordinator_reachable: bool
     outbox_reports: int  # round reports not yet acknowledged by the coordinator
-    pending_uploads: int  # final models waiting for the coordinator
+    pending_uploads: int  # final models and checkpoints waiting for the coordinator
     training_jobs: int  # training processes running
     progress: tuple[Progress, ...] = ()  # the latest progress of each running job that reported one
     mesh_peers: tuple[MeshPeerStats, ...] | None = None  # None: the mesh is off
@@ -168,7 +168,8 @@ class ScrapeCollector(Collector):
                                 value=1 if s.coordinator_reachable else 0)
         yield GaugeMetricFamily(PREFIX + "outbox_reports", "Round reports waiting in the outbox for the coordinator.",
                                 value=s.outbox_reports)
-        yield GaugeMetricFamily(PREFIX + "pending_uploads", "Final models waiting to be uploaded to the coordinator.",
+        yield GaugeMetricFamily(PREFIX + "pending_uploads",
+                                "Final models and checkpoints waiting to be uploaded to the coordinator.",
                                 value=s.pending_uploads)
         yield GaugeMetricFamily(PREFIX + "training_jobs", "Training processes running on this node.",
                                 value=s.training_jobs)

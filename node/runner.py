@@ -1,8 +1,11 @@
 """The job runner: one supervised child process per assigned job (`gpuswarm.node.worker`).
 
-Owns starting a training process for an assignment, reading its JSON-line events, stopping it within a bounded
-time (SIGTERM, then SIGKILL), and noticing when it crashed. A crash in a job never reaches the daemon: it becomes
-a failure the daemon reports. The child asks for SIGTERM if the daemon itself dies (see `worker.die_with_parent`).
+Owns starting a training process for an assignment with its fetched inputs (code, dataset, checkpoint), giving it
+the node's GPUs it may use (CUDA_VISIBLE_DEVICES: the job's share of the GPUs this node advertised, none on a
+CPU node), reading its JSON-line events, stopping it within a bounded time (SIGTERM, then SIGKILL), and noticing
+when it crashed. A crash in a job never reaches the daemon: it becomes a failure the daemon reports, with the
+reason the worker gave ("error" event) or its log's tail. The child asks for SIGTERM if the daemon itself dies
+(see `worker.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import logging
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,15 +28,25 @@ from gpuswarm.proto.models import Assignment, Progress
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class JobInputs:
+    """What the daemon fetched for a job before it starts: local paths, verified against the job's hashes."""
+
+    code: Path | None = None  # the unpacked code directory or the wheel
+    dataset: Path | None = None  # the dataset file or the unpacked directory
+    checkpoint: Path | None = None  # the job's newest checkpoint, to resume from when no peer has the state
+
+
 @dataclass
 class RunningJob:
     assignment: Assignment
     process: asyncio.subprocess.Process
     workdir: Path
+    gpus: tuple[int, ...] = ()
     started: float = field(default_factory=time.time)
     progress: Progress | None = None
     finished: dict | None = None  # the worker's "finished" event: the final model is saved
-    stderr_tail: deque = field(default_factory=lambda: deque(maxlen=40))
+    error: str | None = None  # the worker's "error" event: why the workload failed
     reader: asyncio.Task | None = None
 
 
@@ -42,30 +54,55 @@ EventHandler = Callable[[RunningJob, dict], None]
 
 
 class JobRunner:
-    def __init__(self, jobs_dir: Path, host: str, on_event: EventHandler, key_path: Path | None = None):
+    def __init__(self, jobs_dir: Path, host: str, on_event: EventHandler, key_path: Path | None = None,
+                 gpu_count: int = 0):
         self.jobs_dir, self.host, self.on_event = jobs_dir, host, on_event
         # The training process signs its round claims with the daemon's own key; jobs_dir is <state_dir>/jobs,
         # and the identity file lives in <state_dir>.
         self.key_path = key_path if key_path is not None else jobs_dir.parent / KEY_FILE
+        # The GPUs this node advertised, numbered as the daemon's CUDA_VISIBLE_DEVICES lists them (if it is set).
+        self.visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        self.gpu_count = min(gpu_count, len(self.visible)) if self.visible else gpu_count
         self.running: dict[str, RunningJob] = {}
+        self._starting = asyncio.Lock()  # one start at a time: a GPU is reserved before the next start looks
 
-    async def start(self, assignment: Assignment) -> RunningJob:
+    def free_gpus(self) -> list[int]:
+        """GPUs no live training process holds (a process that exited frees its GPUs at once)."""
+        held = {g for job in self.running.values() if job.process.returncode is None for g in job.gpus}
+        return [g for g in range(self.gpu_count) if g not in held]
+
+    async def start(self, assignment: Assignment, inputs: JobInputs = JobInputs()) -> RunningJob:
+        async with self._starting:
+            return await self._start(assignment, inputs)
+
+    async def _start(self, assignment: Assignment, inputs: JobInputs) -> RunningJob:
+        free = self.free_gpus()
+        want = assignment.spec.gpus_per_node if self.gpu_count else 0
+        if len(free) < want:
+            raise OSError(f"the job needs {want} GPU(s) and only {len(free)} of this node's {self.gpu_count} are free")
+        gpus = tuple(free[:want])
+        cuda_ids = [self.visible[g] for g in gpus] if self.visible else [str(g) for g in gpus]
         workdir = self.jobs_dir / f"{assignment.job_id}-{assignment.assignment_id}"
         workdir.mkdir(parents=True, exist_ok=True)
         spec_path = workdir / "assignment.json"
         spec_path.write_text(assignment.model_dump_json(indent=2))
+        args = [str(spec_path), "--host", self.host, "--workdir", str(workdir), "--key", str(self.key_path)]
+        for flag, path in (("--code", inputs.code), ("--dataset", inputs.dataset), ("--checkpoint", inputs.checkpoint)):
+            if path is not None:
+                args += [flag, str(path)]
         log = open(workdir / "worker.log", "ab")
         try:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gpuswarm.node.worker", str(spec_path), "--host", self.host,
-                "--workdir", str(workdir), "--key", str(self.key_path), stdout=asyncio.subprocess.PIPE, stderr=log,
+                sys.executable, "-m", "gpuswarm.node.worker", *args, stdout=asyncio.subprocess.PIPE, stderr=log,
                 # No preexec_fn: forking a threaded daemon and running Python before exec can deadlock the child
                 # while the parent's event loop waits for the exec. The worker sets its own parent-death signal.
-                env=os.environ | {PARENT_PID_ENV: str(os.getpid())},
+                # Only the job's GPUs are visible to it ("" on a CPU node: none, even if the machine has some).
+                env=os.environ | {PARENT_PID_ENV: str(os.getpid()),
+                                  "CUDA_VISIBLE_DEVICES": ",".join(cuda_ids)},
             )
         finally:
             log.close()
-        job = RunningJob(assignment, process, workdir)
+        job = RunningJob(assignment, process, workdir, gpus)
         job.reader = asyncio.create_task(self._read_events(job), name=f"events-{assignment.job_id}")
         self.running[assignment.job_id] = job
         logger.info("started training %s (shard %d/%d, pid %d)", assignment.job_id, assignment.shard_index,
@@ -86,6 +123,8 @@ class JobRunner:
                     job.progress = Progress.model_validate(event)
                 elif event.get("event") == "finished":
                     job.finished = event
+                elif event.get("event") == "error":
+                    job.error = str(event.get("reason", ""))[:1500]
                 self.on_event(job, event)
             except Exception:  # one bad line never stops the reader
                 logger.exception("ignoring bad event from %s: %.200s", job.assignment.job_id, line)
@@ -98,6 +137,8 @@ class JobRunner:
         return done
 
     def failure_reason(self, job: RunningJob, code: int) -> str:
+        if job.error:
+            return f"the job's workload failed: {job.error}"
         with contextlib.suppress(OSError):
             lines = (job.workdir / "worker.log").read_text(errors="replace").strip().splitlines()
             return f"training process exited with {code}: " + "\n".join(lines[-15:])

@@ -140,6 +140,25 @@ class ArtifactStored(ApiModel):
     sha256: str
 
 
+# ---------------------------------------------------------------------------------------------------- blobs
+
+
+class BlobsMissing(ApiModel):
+    """POST /v1/blobs/missing: those of the asked digests that this owner does not hold, in the order asked."""
+
+    missing: list[str]
+
+
+class BlobStored(ApiModel):
+    """PUT /v1/blobs/{sha256} (201): the owner now holds the blob; `held_bytes` counts all the owner holds."""
+
+    ok: bool
+    sha256: str
+    size: int
+    held_bytes: int
+    quota_bytes: int
+
+
 # ---------------------------------------------------------------------------------------------------- nodes
 
 
@@ -219,7 +238,8 @@ class NodeChallenges(ApiModel):
 
 
 class TrainingProgress(ApiModel):
-    """A job's latest progress, as its nodes' heartbeats reported it."""
+    """A job's latest progress, as its nodes' heartbeats reported it. `metrics`: everything the workload's
+    evaluate reported with it (val_bpb, perplexity, ...)."""
 
     epoch: float
     global_step: int
@@ -227,6 +247,7 @@ class TrainingProgress(ApiModel):
     loss: float | None = None
     samples_per_second: float
     peers: int
+    metrics: dict[str, float] = {}
 
 
 class JobInfo(ApiModel):
@@ -241,6 +262,7 @@ class JobInfo(ApiModel):
     finished_at: float | None = None
     progress: TrainingProgress
     final_accuracy: float | None = None
+    final_metrics: dict[str, float] | None = None  # the final model's metrics, as its node reported them
     error: str | None = None
     owner_id: str
     dht_epoch: int | None = None  # hivemind's epoch, as the coordinator read it from the DHT
@@ -279,6 +301,15 @@ class ArtifactInfo(ApiModel):
     accuracy: float | None = None
     node_id: str | None = None  # None: written by the coordinator (tensorboard.tfevents)
     created_at: float
+    checkpoint_step: int | None = None  # set: a checkpoint of this global step
+    metrics: dict[str, float] | None = None  # a final model's metrics
+
+
+class ArtifactList(ApiModel):
+    """GET /v1/jobs/{job_id}/artifacts: the job's artifacts, oldest first."""
+
+    job_id: str
+    artifacts: list[ArtifactInfo]
 
 
 class JobEventInfo(ApiModel):

@@ -174,7 +174,7 @@ class StopRule(OwnerModel):
     `target` is a rule on any metric the workload's `evaluate` reports, "NAME <= X" or "NAME >= X" (for example
     "val_bpb <= 2.2"); `target_accuracy = X` is short for "accuracy >= X". `max_epochs` counts passes over the
     training data and applies to workloads that know their size; `max_steps` counts global (averaged) steps and
-    `max_seconds` the wall time since this run started training."""
+    `max_seconds` the wall time since the node's training process started training (a resume starts it again)."""
 
     target: Annotated[str, StringConstraints(pattern=TARGET_PATTERN)] | None = None
     target_accuracy: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from gpuswarm.client.api import ApiError, SyncClient
-from gpuswarm.proto.api import NodeInfo
+from gpuswarm.proto.api import JobInfo, NodeInfo
 
 
 def free_port() -> int:
@@ -71,6 +71,14 @@ class LocalSwarm:
                                         "--state-dir", str(self.root / f"node-{index}"), "--cpu", "--no-mesh",
                                         "--price", str(price), *extra, env=env)
         return self.nodes[index]
+
+    def submit_file(self, path: Path) -> JobInfo:
+        """Submit a job file as its owner would: `gpuswarm job submit` packs and uploads its code and data."""
+        result = subprocess.run([self.python, "-m", "gpuswarm.cli", "job", "submit", str(path), "-c", self.url,
+                                 "--token", self.client.token, "--json"], capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise RuntimeError(f"job submit {path} failed:\n{result.stdout}{result.stderr}")
+        return JobInfo.model_validate_json(result.stdout)
 
     def node_id(self, index: int) -> str:
         from gpuswarm.node.identity import load_or_create

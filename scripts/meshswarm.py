@@ -42,9 +42,14 @@ class MeshSwarm:
                               check=True, timeout=60)
         self.token = json.loads(owner.stdout)["token"]
 
-    def start_node(self, i: int, price: float = 0.0) -> None:
+    def start_node(self, i: int, price: float = 0.0, *extra: str) -> None:
         self.procs[i] = self._spawn(i, f"node-{i}", "node", "start", "-c", self.url, "--state-dir",
-                                    str(self.state_dir(i)), "--cpu", "--listen-port", "51820", "--price", str(price))
+                                    str(self.state_dir(i)), "--cpu", "--listen-port", "51820", "--price", str(price),
+                                    *extra)
+
+    def submit_file(self, path: Path) -> dict:
+        """Submit a job file as its owner would, from the coordinator's namespace (`job submit` packs and uploads)."""
+        return self.cli(0, "job", "submit", str(path), "--token", self.token)
 
     def stop(self, i: int) -> None:
         proc = self.procs.pop(i)

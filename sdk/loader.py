@@ -9,6 +9,7 @@ owner's CLI can check params in a separate process that imports the owner's code
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import inspect
 import json
@@ -60,6 +61,13 @@ def validate_params(factory: Factory, params: dict[str, Any]) -> Any:
     schema = params_schema(factory)
     if schema is None:
         return dict(params)
+    if schema.model_config.get("extra") != "allow":  # a typo is an error, not a silently ignored key
+        unknown = sorted(set(params) - set(schema.model_fields))
+        if unknown:
+            hints = {name: difflib.get_close_matches(name, list(schema.model_fields), n=1) for name in unknown}
+            raise WorkloadError("invalid params: " + "; ".join(
+                f"{name}: unknown param" + (f"; did you mean {hints[name][0]!r}?" if hints[name] else "")
+                for name in unknown))
     try:
         return schema.model_validate(params)
     except ValidationError as e:

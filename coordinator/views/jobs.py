@@ -1,18 +1,20 @@
 """Handlers of a job owner's job routes: submit, list, detail, contributions, progress, cancel.
 
 Owns POST/GET /v1/jobs, GET /v1/jobs/{job_id}, .../contributions, .../progress and POST .../cancel. Each needs
-the owner's token (`auth.current_owner`, `auth.owned_job`). Job states change only through `jobs`.
+the owner's token (`auth.current_owner`, `auth.owned_job`). Job states change only through `jobs`; a submitted
+job's code and dataset are recorded as its blobs (`blobs.reference`), which its owner must hold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 from aiohttp import web
-from gpuswarm.coordinator import jobs, ledger, tensorboard
+from gpuswarm.coordinator import blobs, jobs, ledger, tensorboard
 from gpuswarm.coordinator.auth import current_owner, owned_job, owner_of
-from gpuswarm.coordinator.config import SESSIONS
+from gpuswarm.coordinator.config import BLOB_LOCK, SESSIONS
 from gpuswarm.coordinator.db import Artifact, AssignmentRow, Job, JobEvent, JobProgress
 from gpuswarm.coordinator.errors import BadRequest, PaymentRequired
 from gpuswarm.coordinator.openapi import describe, respond
@@ -31,18 +33,24 @@ MAX_PROGRESS_POINTS = 5000  # per response of GET /v1/jobs/{id}/progress: the ol
 @routes.post("/v1/jobs")
 @describe(auth="owner", body=JobSpec, response=api.JobInfo, status=201)
 async def submit_job(request: web.Request) -> web.Response:
-    """Submit a job (the budget must not exceed the owner's balance)."""
+    """Submit a job (the budget must not exceed the owner's balance). A job with its own `code` (and `dataset`)
+    names blobs the owner uploaded first (PUT /v1/blobs/{sha256}); 409 `blob_not_held` otherwise."""
     owner = await owner_of(request)
     spec = parse(JobSpec, await read_json(request), "job spec")
     now = time.time()
-    async with request.app[SESSIONS].begin() as session:
+    # Under the store's lock when the job names blobs: the retention pass cannot remove one between the check and
+    # the reference.
+    async with (request.app[BLOB_LOCK] if spec.blob_refs() else contextlib.nullcontext()), \
+            request.app[SESSIONS].begin() as session:
         available = await ledger.balance(session, ledger.owner_account(owner.id))
         if available < ledger.micro(spec.budget):
             raise PaymentRequired(f"the budget {spec.budget} is more than your balance "
                                   f"{ledger.credits(available)}", code="insufficient_funds")
         job = jobs.create(session, name=spec.name, spec=spec.model_dump(mode="json"), owner_id=owner.id, now=now,
-                          message=f"submitted ({spec.workload}, {spec.min_nodes}-{spec.max_nodes} nodes)")
-    logger.info("job %s submitted (%s)", job.id, spec.workload)
+                          message=f"submitted ({spec.label}, {spec.min_nodes}-{spec.max_nodes} nodes)")
+        await session.flush()  # the job's row first: its blob references point at it
+        await blobs.reference(session, job, spec, now)  # 409 unless the owner holds the code and dataset
+    logger.info("job %s submitted (%s)", job.id, spec.label)
     wake(request)
     return respond(api.JobInfo, shapes.job_json(job), status=201)
 

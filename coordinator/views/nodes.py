@@ -12,7 +12,7 @@ import logging
 import time
 
 from aiohttp import web
-from gpuswarm.coordinator import reputation
+from gpuswarm.coordinator import blobs, reputation
 from gpuswarm.coordinator.auth import authenticate_node, node_refusal, read_signed, require_admin
 from gpuswarm.coordinator.challenge_schedule import after_registration
 from gpuswarm.coordinator.config import ADVERTS, CONFIG, DHT_PEERS, HEARTBEATS, MESH_VERSION, SESSIONS
@@ -142,15 +142,16 @@ async def revoke_node(request: web.Request) -> web.Response:
 @routes.post("/v1/nodes/assignments")
 @describe(auth="node", body=AssignmentPoll, signed="poll", response=api.AssignmentList)
 async def poll_assignments(request: web.Request) -> web.Response:
-    """The node's active assignments."""
+    """The node's active assignments, each with its job's newest checkpoint (if any)."""
     message = await read_signed(request, "poll", AssignmentPoll)
     async with request.app[SESSIONS].begin() as session:
         await authenticate_node(session, message)
-        rows = await session.execute(
+        rows = (await session.execute(
             select(AssignmentRow, Job).join(Job, Job.id == AssignmentRow.job_id)
             .where(AssignmentRow.node_id == message.node_id, AssignmentRow.state == AssignmentState.ACTIVE.value)
-        )
-        body = shapes.assignments_json(rows.all(), request.app[DHT_PEERS])
+        )).all()
+        checkpoints = await blobs.latest_checkpoints(session, [j.id for _, j in rows])
+        body = shapes.assignments_json(rows, request.app[DHT_PEERS], checkpoints)
     return respond(api.AssignmentList, body)
 
 

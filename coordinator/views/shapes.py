@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from gpuswarm.coordinator import ledger, tensorboard
 from gpuswarm.coordinator.db import Artifact, AssignmentRow, Contribution, Job, JobEvent, Node, Owner
 from gpuswarm.coordinator.ledger import Ignored
 from gpuswarm.proto.dht import job_run_id
-from gpuswarm.proto.models import Assignment, AssignmentState, JobSpec, JobState
+from gpuswarm.proto.models import Assignment, AssignmentState, CheckpointRef, JobSpec, JobState
 
 from gpuswarm import __version__
 
@@ -30,8 +30,9 @@ def job_json(job: Job) -> dict:
         "id": job.id, "name": job.name, "state": job.state, "spec": job.spec,
         "created_at": job.created_at, "started_at": job.started_at, "finished_at": job.finished_at,
         "progress": {"epoch": job.epoch, "global_step": job.global_step, "accuracy": job.accuracy, "loss": job.loss,
-                     "samples_per_second": job.samples_per_second, "peers": job.peers},
-        "final_accuracy": job.final_accuracy, "error": job.error, "owner_id": job.owner_id,
+                     "samples_per_second": job.samples_per_second, "peers": job.peers, "metrics": job.metrics or {}},
+        "final_accuracy": job.final_accuracy, "final_metrics": job.final_metrics, "error": job.error,
+        "owner_id": job.owner_id,
         "dht_epoch": job.dht_epoch,
     }
 
@@ -47,11 +48,20 @@ def job_detail_json(job: Job, assignments: Sequence[AssignmentRow], artifacts: S
         "assignments": [{"node_id": a.node_id, "state": a.state, "shard_index": a.shard_index, "gpus": a.gpus,
                          "price_per_gpu_hour": a.price_per_gpu_hour, "created_at": a.created_at,
                          "ended_at": a.ended_at, "reason": a.reason} for a in assignments],
-        "artifacts": [{"name": a.name, "size": a.size, "sha256": a.sha256, "final": a.final, "accuracy": a.accuracy,
-                       "node_id": a.node_id, "created_at": a.created_at} for a in artifacts],
+        "artifacts": [artifact_json(a) for a in artifacts],
         "contributions": contributions,
         "events": [{"at": e.at, "message": e.message} for e in reversed(events)],
     }
+
+
+def artifact_json(a: Artifact) -> dict:
+    return {"name": a.name, "size": a.size, "sha256": a.sha256, "final": a.final, "accuracy": a.accuracy,
+            "node_id": a.node_id, "created_at": a.created_at, "checkpoint_step": a.checkpoint_step,
+            "metrics": a.metrics}
+
+
+def artifact_list_json(job: Job, artifacts: Iterable[Artifact]) -> dict:
+    return {"job_id": job.id, "artifacts": [artifact_json(a) for a in artifacts]}
 
 
 def contributions_json(job: Job, contributions: list[dict]) -> dict:
@@ -91,13 +101,15 @@ def revoked_json(node_id: str) -> dict:
     return {"ok": True, "node_id": node_id, "revoked": True}
 
 
-def assignments_json(rows: Iterable[tuple[AssignmentRow, Job]], initial_peers: list[str]) -> dict:
-    """A node's assignments, each with its job, as proto `Assignment`s."""
+def assignments_json(rows: Iterable[tuple[AssignmentRow, Job]], initial_peers: list[str],
+                     checkpoints: Mapping[str, CheckpointRef] | None = None) -> dict:
+    """A node's assignments, each with its job and the job's newest checkpoint, as proto `Assignment`s."""
+    checkpoints = checkpoints or {}
     return {"assignments": [
         Assignment(assignment_id=a.id, job_id=j.id, node_id=a.node_id, state=AssignmentState(a.state),
                    job_state=JobState(j.state), spec=JobSpec.model_validate(j.spec), run_id=job_run_id(j.id),
-                   shard_index=a.shard_index, num_shards=a.num_shards,
-                   initial_peers=initial_peers).model_dump(mode="json")
+                   shard_index=a.shard_index, num_shards=a.num_shards, initial_peers=initial_peers,
+                   checkpoint=checkpoints.get(j.id)).model_dump(mode="json")
         for a, j in rows]}
 
 

@@ -30,7 +30,8 @@ from gpuswarm.proto import api, challenge, models
 from gpuswarm.proto.challenge import ChallengeIssue, ChallengeReveal
 
 # Routes whose success answer is not a JSON document of ours: the document itself, and artifact bytes.
-NOT_JSON = {("/v1/openapi.json", "get"), ("/v1/jobs/{job_id}/artifacts/{name}", "get")}
+NOT_JSON = {("/v1/openapi.json", "get"), ("/v1/jobs/{job_id}/artifacts/{name}", "get"),
+            ("/v1/blobs/{sha256}", "get"), ("/v1/jobs/{job_id}/blobs/{sha256}", "get")}
 MODEL_MODULES = (api, models, challenge)
 JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
 
@@ -185,7 +186,7 @@ async def test_every_json_answer_matches_its_documented_schema(tmp_path: Path):
             assert time.monotonic() < deadline, "the verified node was not assigned the job"
             await asyncio.sleep(0.2)
         progress = {"job_id": job["id"], "epoch": 0.5, "global_step": 3, "samples": 96, "loss": 1.2,
-                    "accuracy": 0.5, "samples_per_second": 100.0, "peers": 1}
+                    "accuracy": 0.5, "samples_per_second": 100.0, "peers": 1, "metrics": {"val_loss": 1.3}}
         await call("POST", "/v1/nodes/heartbeat", 200, signed(a, "heartbeat", {
             "node_id": a.node_id, "state": "training", "progress": [progress], "peer_rtt_ms": {b.node_id: 1.5}}))
         now = time.time()
@@ -198,10 +199,21 @@ async def test_every_json_answer_matches_its_documented_schema(tmp_path: Path):
         assert rounds["claims"] and rounds["ignored"]
         data = b"checkpoint bytes"
         meta = {"job_id": job["id"], "node_id": a.node_id, "name": "checkpoint.pt", "size": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(), "final": False, "epoch": 0.5}
+                "sha256": hashlib.sha256(data).hexdigest(), "final": False, "epoch": 0.5, "checkpoint_step": 3}
         await call("PUT", "/v1/jobs/{job_id}/artifacts/{name}", 201, data=data, job_id=job["id"], name="checkpoint.pt",
                    headers={ENVELOPE_HEADER: json.dumps(signed(a, "artifact", meta)),
                             "Content-Type": "application/octet-stream"})
+        polled = await call("POST", "/v1/nodes/assignments", 200, signed(a, "poll", {"node_id": a.node_id}))
+        assert polled["assignments"][0]["checkpoint"]["step"] == 3
+        listing = await call("GET", "/v1/jobs/{job_id}/artifacts", 200, token=token, job_id=job["id"])
+        assert listing["artifacts"][0]["checkpoint_step"] == 3
+
+        # The blob store: what the owner lacks, then an upload.
+        blob = b"owner code"
+        digest = hashlib.sha256(blob).hexdigest()
+        assert (await call("POST", "/v1/blobs/missing", 200, {"sha256": [digest]}, token=token))["missing"]
+        await call("PUT", "/v1/blobs/{sha256}", 201, data=blob, token=token, sha256=digest,
+                   headers={"Content-Type": "application/octet-stream"})
 
         await call("GET", "/v1/jobs", 200, token=token)
         detail = await call("GET", "/v1/jobs/{job_id}", 200, token=token, job_id=job["id"])

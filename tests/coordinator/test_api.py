@@ -260,7 +260,8 @@ async def test_final_artifact_completes_the_job_and_downloads_byte_for_byte(clie
     assert response.status == 200
     assert await response.read() == data
     assert response.headers["X-Content-SHA256"] == hashlib.sha256(data).hexdigest()
-    assert sorted(p.name for p in (data_dir / "artifacts" / job_id).iterdir()) == ["model.pt"]
+    sha256 = hashlib.sha256(data).hexdigest()  # the bytes live once, in the content-addressed store
+    assert _files_under(data_dir / "blobs") == [data_dir / "blobs" / sha256[:2] / sha256]
 
     # A completed job takes no second final artifact.
     await rejected(client, "PUT", f"/v1/jobs/{job_id}/artifacts/model.pt", 409, "job_final",
@@ -691,7 +692,7 @@ async def test_artifact_with_body_not_matching_the_signed_digest_is_400(client, 
     request = artifact_request(node, job_id, data, final=True, accuracy=0.9)
     request["data"] = b"X" * len(data)  # same size, different bytes
     await rejected(client, "PUT", f"/v1/jobs/{job_id}/artifacts/model.pt", 400, "digest_mismatch", **request)
-    assert _files_under(data_dir / "artifacts" / job_id) == []
+    assert _files_under(data_dir / "blobs") == []
     job = await (await client.get(f"/v1/jobs/{job_id}")).json()
     assert job["state"] == "running" and job["final_accuracy"] is None and job["artifacts"] == []
 
@@ -701,7 +702,7 @@ async def test_artifact_body_of_another_size_than_signed_is_400(client, assigned
     request = artifact_request(node, job_id, b"0123456789")
     request["data"] = b"0123456789-and-more"
     await rejected(client, "PUT", f"/v1/jobs/{job_id}/artifacts/model.pt", 400, "bad_request", **request)
-    assert _files_under(data_dir / "artifacts" / job_id) == []
+    assert _files_under(data_dir / "blobs") == []
 
 
 async def test_chunked_artifact_body_not_matching_the_digest_is_400(client, assigned, data_dir):
@@ -716,13 +717,13 @@ async def test_chunked_artifact_body_not_matching_the_digest_is_400(client, assi
 
     request["data"] = body()
     await rejected(client, "PUT", f"/v1/jobs/{job_id}/artifacts/model.pt", 400, "digest_mismatch", **request)
-    assert _files_under(data_dir / "artifacts" / job_id) == []
+    assert _files_under(data_dir / "blobs") == []
 
 
 async def test_artifact_upload_without_the_envelope_header_is_401(client, assigned, data_dir):
     _, job_id = assigned
     await rejected(client, "PUT", f"/v1/jobs/{job_id}/artifacts/model.pt", 401, "bad_signature", data=b"weights")
-    assert _files_under(data_dir / "artifacts" / job_id) == []
+    assert _files_under(data_dir / "blobs") == []
 
 
 async def test_artifact_upload_with_malformed_envelope_header_is_400(client, assigned):
@@ -738,14 +739,14 @@ async def test_artifact_upload_with_tampered_meta_is_401(client, assigned, data_
     envelope["payload"]["final"] = True
     request["headers"][ENVELOPE_HEADER] = json.dumps(envelope)
     await rejected(client, "PUT", f"/v1/jobs/{job_id}/artifacts/model.pt", 401, "bad_signature", **request)
-    assert _files_under(data_dir / "artifacts" / job_id) == []
+    assert _files_under(data_dir / "blobs") == []
 
 
 async def test_artifact_signed_for_another_name_is_400(client, assigned, data_dir):
     node, job_id = assigned
     request = artifact_request(node, job_id, b"weights", name="model.pt")
     await rejected(client, "PUT", f"/v1/jobs/{job_id}/artifacts/other.pt", 400, "bad_request", **request)
-    assert _files_under(data_dir / "artifacts" / job_id) == []
+    assert _files_under(data_dir / "blobs") == []
 
 
 async def test_artifact_from_a_node_never_assigned_is_403(client, assigned, data_dir):
@@ -753,7 +754,7 @@ async def test_artifact_from_a_node_never_assigned_is_403(client, assigned, data
     outsider = await register(client)
     await rejected(client, "PUT", f"/v1/jobs/{job_id}/artifacts/model.pt", 403, "not_a_member",
                    **artifact_request(outsider, job_id, b"weights", final=True, accuracy=1.0))
-    assert _files_under(data_dir / "artifacts" / job_id) == []
+    assert _files_under(data_dir / "blobs") == []
 
 
 async def test_artifact_from_an_unregistered_node_is_404(client, assigned):
@@ -842,7 +843,7 @@ async def test_artifact_named_dot_or_dot_dot_is_a_4xx(client: TestClient, assign
     response = await client.session.put(url, **request)
     await error_of(response, 422, "invalid")
     assert await snapshot(client.app) == before
-    assert _files_under(data_dir / "artifacts") == []
+    assert _files_under(data_dir / "blobs") == []
 
 
 async def test_concurrent_heartbeats_share_a_batch_but_each_gets_its_own_answer(client: TestClient):

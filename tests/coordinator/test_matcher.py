@@ -37,8 +37,12 @@ def node(nid, resources=CPU, price=0.0, last_seen=NOW, **kw) -> NodeView:
     return NodeView(id=nid, resources=resources, price_per_gpu_hour=price, last_seen=last_seen, **kw)
 
 
+CODE = {"sha256": "ab" * 32, "size": 1024, "format": "tar", "entrypoint": "train:workload"}
+
+
 def job(jid, created_at=0.0, state=JobState.PENDING, active=(), members=(), funded=True, **spec) -> JobView:
-    return JobView(id=jid, spec=JobSpec.model_validate({"workload": "digits-mlp"} | spec), state=state,
+    base = {} if "code" in spec else {"workload": "digits-mlp"}
+    return JobView(id=jid, spec=JobSpec.model_validate(base | spec), state=state,
                    created_at=created_at, members=frozenset(members), active_shards=frozenset(active),
                    funded=funded)
 
@@ -106,6 +110,15 @@ def test_verified_only_jobs_get_only_verified_nodes():
 
 
 # --- price ----------------------------------------------------------------------------------------------------
+
+
+def test_custom_code_jobs_go_only_to_nodes_that_opted_in():
+    opted = Resources(cpu_cores=4, ram_gb=8, custom_code=True)
+    nodes = [node("plain", price=0.0), node("opted", opted, price=1.0), node("gpu-plain", gpu())]
+    assert by_job(run([job("j1", code=CODE, max_nodes=3)], nodes)) == {"j1": ["opted"]}
+    # A built-in workload goes anywhere, opted-in nodes included, cheapest first.
+    assert by_job(run([job("j2", max_nodes=3)], nodes)) == {"j2": ["gpu-plain", "plain", "opted"]}
+    assert run([job("j3", code=CODE)], [node("plain"), node("gpu-plain", gpu())]) == []
 
 
 def test_price_cap():
@@ -355,9 +368,9 @@ def markets(draw, max_nodes=14, max_jobs=7):
             gpus = draw(st.lists(st.builds(GPUInfo, model=st.sampled_from(MODELS),
                                            memory_gb=st.sampled_from([8.0, 16.0, 24.0, 40.0, 80.0]),
                                            count=st.integers(1, 4)), min_size=1, max_size=2))
-            resources = Resources(cpu_cores=8, ram_gb=32, gpus=gpus)
+            resources = Resources(cpu_cores=8, ram_gb=32, gpus=gpus, custom_code=draw(st.booleans()))
         else:
-            resources = CPU
+            resources = Resources(cpu_cores=4, ram_gb=8, custom_code=draw(st.booleans()))
         cap = resources.gpu_count or 1
         others = [o for o in ids if o != nid]
         rtt = draw(st.dictionaries(st.sampled_from(others), st.sampled_from([1.0, 10.0, 50.0, 400.0]), max_size=4)
@@ -377,8 +390,9 @@ def markets(draw, max_nodes=14, max_jobs=7):
         if state == JobState.RUNNING and ids:
             members = frozenset(draw(st.lists(st.sampled_from(ids), max_size=max_n, unique=True)))
             shards = frozenset(draw(st.permutations(range(max_n)))[:len(members)])
-        spec = JobSpec.model_validate({
-            "workload": "digits-mlp", "max_nodes": max_n, "min_nodes": draw(st.integers(1, max_n)),
+        runs = {"code": CODE} if draw(st.sampled_from([False, False, True])) else {"workload": "digits-mlp"}
+        spec = JobSpec.model_validate(runs | {
+            "max_nodes": max_n, "min_nodes": draw(st.integers(1, max_n)),
             "gpus_per_node": draw(st.sampled_from([1, 1, 1, 2, 3])),
             "max_price_per_gpu_hour": draw(st.sampled_from([None, None, *PRICES, 3.0])),
             "requirements": {
@@ -419,6 +433,7 @@ def test_property_every_match_meets_the_jobs_requirements_and_price(market):
         assert NOW - n.last_seen <= LIVE
         assert meets_requirements(n.resources, j.spec.requirements, j.spec.gpus_per_node)
         assert n.verified or not j.spec.requirements.verified_only
+        assert n.resources.custom_code or not j.spec.custom_code
         assert m.price_per_gpu_hour == n.price_per_gpu_hour
         assert j.spec.max_price_per_gpu_hour is None or m.price_per_gpu_hour <= j.spec.max_price_per_gpu_hour
         assert m.gpus == j.spec.gpus_per_node
@@ -497,6 +512,7 @@ def random_market(rng: random.Random, n_nodes: int, n_jobs: int):
         else:
             model, mem = rng.choice([("A100", 80.0), ("A100", 40.0), ("RTX4090", 24.0), ("T4", 16.0)])
             resources = gpu(model, mem, rng.choice([1, 1, 2, 4, 8]))
+        resources = resources.model_copy(update={"custom_code": rng.random() < 0.5})
         nodes.append(NodeView(
             id=nid, resources=resources, price_per_gpu_hour=round(rng.uniform(0.0, 4.0), 1), last_seen=NOW,
             gpus_in_use=rng.choice([0, 0, 0, 1]), verified=rng.random() < 0.7, reputation=rng.random(),
@@ -507,8 +523,9 @@ def random_market(rng: random.Random, n_nodes: int, n_jobs: int):
         max_n = rng.choice([1, 2, 4, 8, 16])
         state = rng.choice([JobState.PENDING, JobState.RUNNING])
         members = frozenset(rng.sample(ids, rng.randint(0, max_n))) if state == JobState.RUNNING else frozenset()
-        spec = JobSpec.model_validate({
-            "workload": "digits-mlp", "max_nodes": max_n, "min_nodes": rng.randint(1, max_n),
+        runs = {"code": CODE} if rng.random() < 0.2 else {"workload": "digits-mlp"}
+        spec = JobSpec.model_validate(runs | {
+            "max_nodes": max_n, "min_nodes": rng.randint(1, max_n),
             "gpus_per_node": rng.choice([1, 1, 2]),
             "max_price_per_gpu_hour": rng.choice([None, 0.3, 0.5, 1.0, 2.0, 3.5]),
             "requirements": {"min_gpu_memory_gb": rng.choice([0.0, 24.0, 40.0]),

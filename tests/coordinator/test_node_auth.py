@@ -9,6 +9,7 @@ route cannot be left out, gets a freshly signed, otherwise valid request from it
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from gpuswarm.coordinator.config import ADMIN_TOKEN, CoordinatorConfig
 from gpuswarm.mesh.keys import KeyPair
 from gpuswarm.node.identity import Identity
 from test_api import (
+    ENVELOPE_HEADER,
     artifact_request,
     claim,
     new_identity,
@@ -67,6 +69,9 @@ REQUESTS: dict[tuple[str, str], Request] = {
     ("PUT", "/v1/jobs/{job_id}/artifacts/{name}"): lambda node, job, ch: (
         f"/v1/jobs/{job}/artifacts/model.pt", artifact_request(node, job, b"final weights", final=True,
                                                                 accuracy=0.99)),
+    ("GET", "/v1/jobs/{job_id}/blobs/{sha256}"): lambda node, job, ch: (
+        f"/v1/jobs/{job}/blobs/{'0' * 64}", {"headers": {ENVELOPE_HEADER: json.dumps(signed(node, "fetch", {
+            "job_id": job, "node_id": node.node_id, "sha256": "0" * 64}))}}),
     ("POST", "/v1/challenges"): lambda node, job, ch: (
         "/v1/challenges", {"json": signed(node, "challenge_start", {"node_id": node.node_id})}),
     ("POST", "/v1/challenges/{challenge_id}/commit"): lambda node, job, ch: (
@@ -106,7 +111,7 @@ async def test_a_revoked_node_is_refused_on_every_node_route(client: TestClient,
                                  headers={"Authorization": f"Bearer {client.app[ADMIN_TOKEN]}"})
     assert response.status == 200, await response.text()
 
-    artifacts = tmp_path / "coordinator" / "artifacts"
+    artifacts = tmp_path / "coordinator" / "blobs"
     files = sorted(artifacts.rglob("*"))
     for (method, template), build in REQUESTS.items():
         path, kwargs = build(node, job_id, challenge_id)  # signed now: fresh timestamp and nonce

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -187,7 +188,8 @@ async def test_points_appear_once_per_advancing_step(alice, pair):
     assert body["job_id"] == job_id and body["state"] == "running" and body["truncated"] is False
     assert steps(body) == [0, 1, 3, 4]
     by_step = {p["global_step"]: p for p in body["points"]}
-    assert set(by_step[0]) == {"at", "epoch", "global_step", "loss", "accuracy", "samples_per_second", "peers"}
+    assert set(by_step[0]) == {"at", "epoch", "global_step", "loss", "accuracy", "samples_per_second", "peers",
+                               "metrics"}
     assert by_step[0]["loss"] == progress(job_id, 0)["loss"] and by_step[1]["loss"] == 0.7
     assert by_step[1]["epoch"] == 0.25 and by_step[1]["samples_per_second"] == 101.0 and by_step[1]["peers"] == 2
     assert by_step[4]["loss"] is None and by_step[4]["accuracy"] is None
@@ -265,14 +267,14 @@ async def test_a_settled_job_has_a_tensorboard_file_of_its_points(alice, pair, d
     data = await live.read()
     assert live.headers["X-Content-SHA256"] == hashlib.sha256(data).hexdigest()
     assert_events_match(data, points)
-    assert not (data_dir / "artifacts" / job_id / TB).exists()
+    assert not [p for p in (data_dir / "blobs").rglob("*") if p.is_file()]  # nothing stored yet
 
     assert (await alice.post(f"/v1/jobs/{job_id}/cancel")).status == 200
     await wait_settled(alice, job_id)
     detail = await get(alice, f"/v1/jobs/{job_id}")
     [artifact] = [x for x in detail["artifacts"] if x["name"] == TB]
     assert artifact["node_id"] is None and artifact["final"] is False
-    stored = (data_dir / "artifacts" / job_id / TB).read_bytes()
+    stored = (data_dir / "blobs" / artifact["sha256"][:2] / artifact["sha256"]).read_bytes()
     assert artifact["size"] == len(stored) and artifact["sha256"] == hashlib.sha256(stored).hexdigest()
     response = await alice.get(f"/v1/jobs/{job_id}/artifacts/{TB}")
     assert response.status == 200 and await response.read() == stored
@@ -293,7 +295,8 @@ async def test_a_job_without_points_gets_no_file_but_downloads_an_empty_one(alic
 async def test_a_failed_write_is_logged_and_the_job_still_settles(alice, pair, data_dir, caplog):
     a, _, job_id = pair
     await beat(alice, a, progress(job_id, 0), progress(job_id, 1))
-    (data_dir / "artifacts" / job_id).write_text("in the way")  # the job's artifact directory cannot be made
+    shutil.rmtree(data_dir / "blobs" / "tmp")
+    (data_dir / "blobs" / "tmp").write_text("in the way")  # the store's staging directory cannot be made
     caplog.set_level(logging.ERROR, logger="gpuswarm.coordinator.app")
     assert (await alice.post(f"/v1/jobs/{job_id}/cancel")).status == 200
     await wait_settled(alice, job_id)

@@ -10,7 +10,7 @@ import shutil
 import time
 
 import pytest
-from gpuswarm.node.workloads.digits import DigitsMLP
+from gpuswarm.node.workloads.saved import evaluate_builtin, read_model_file
 from gpuswarm.proto.api import ContributionSummary, JobDetail
 from localswarm import LocalSwarm
 
@@ -81,7 +81,7 @@ def test_three_nodes_train_to_target_and_share_the_credit(swarm, tmp_path):
 
     model = tmp_path / "model.pt"
     swarm.client.download_artifact(job.id, "model.pt", model)
-    assert DigitsMLP.evaluate_saved(str(model)) == pytest.approx(done.final_accuracy, abs=1e-6)
+    assert evaluate_builtin(read_model_file(model))["accuracy"] == pytest.approx(done.final_accuracy, abs=1e-6)
 
 
 def test_job_survives_a_node_killed_mid_training(swarm):
