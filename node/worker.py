@@ -27,6 +27,7 @@ Run as: python -m gpuswarm.node.worker ASSIGNMENT_JSON --host ADDRESS --workdir 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -81,64 +82,67 @@ def load_identity(path: Path):
 
 
 class Membership:
-    """This member's record in the run's membership key, and the run's live members as the DHT has them.
+    """This member's record in the run's membership key, and its place among the run's live members.
 
     Each member refreshes its own record (a short TTL), so a member that died drops out within `MEMBER_TTL`. The
     sorted live node ids give every member its place, hence its data shard; the shards change when members come
-    and go."""
+    and go. After the rendezvous a helper thread does the DHT calls and keeps the place current, so the training
+    thread never waits on the DHT for it (a slow lookup would hold this member back in every round)."""
 
     def __init__(self, dht, run_id: str, node_id: str):
         self.dht, self.key, self.node_id = dht, f"{run_id}.members", node_id
-        self.refreshed = 0.0
+        self._place = (0, 1)
 
-    def keep_fresh(self, stop: threading.Event) -> threading.Thread:
-        """Refresh this member's record from a thread, so that a long averaging round or a state download in the
-        training thread never lets it lapse (the others would drop this member and re-shard)."""
-        def loop() -> None:
-            while not stop.wait(MEMBER_REFRESH):
-                try:
-                    self.refresh(force=True)
-                except Exception as e:  # noqa: BLE001 - a DHT hiccup; the next refresh tries again
-                    logger.debug("membership refresh failed: %r", e)
-
-        thread = threading.Thread(target=loop, name="membership", daemon=True)
-        thread.start()
-        return thread
-
-    def refresh(self, force: bool = False) -> None:
+    def refresh(self) -> None:
         from hivemind.utils import get_dht_time
 
-        if force or time.monotonic() - self.refreshed >= MEMBER_REFRESH:
-            self.dht.store(self.key, subkey=self.node_id, value=time.time(),
-                           expiration_time=get_dht_time() + MEMBER_TTL)
-            self.refreshed = time.monotonic()
+        self.dht.store(self.key, subkey=self.node_id, value=time.time(), expiration_time=get_dht_time() + MEMBER_TTL)
 
     def members(self) -> list[str]:
         found = self.dht.get(self.key, latest=True)
         ids = set(found.value) if found is not None and isinstance(found.value, dict) else set()
         return sorted({str(i) for i in ids} | {self.node_id})
 
-    def place(self) -> tuple[int, int]:
-        """(index, count): this member's place among the live members."""
+    def look(self) -> tuple[int, int]:
         members = self.members()
-        return members.index(self.node_id), len(members)
+        self._place = (members.index(self.node_id), len(members))
+        return self._place
+
+    def place(self) -> tuple[int, int]:
+        """(index, count): this member's place among the live members, as last seen."""
+        return self._place
 
     def wait_for(self, min_nodes: int, stop: threading.Event) -> None:
         """Hold training until `min_nodes` members have checked in, so a fast first node does not finish the job
         alone before its peers arrive. A node joining a run in progress finds the others and goes straight on (and
         then loads the current state from a peer)."""
-        self.refresh(force=True)
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT
-        count = 0
+        refreshed, count = 0.0, 0
         while not stop.is_set() and time.monotonic() < deadline:
-            self.refresh()
-            count = len(self.members())
+            if time.monotonic() - refreshed >= MEMBER_REFRESH:
+                self.refresh()
+                refreshed = time.monotonic()
+            count = self.look()[1]
             if count >= min_nodes:
                 emit("members", count=count)
                 return
             time.sleep(0.5)
         logger.warning("only %d of %d members arrived within %.0fs; training anyway", count, min_nodes,
                        RENDEZVOUS_TIMEOUT)
+
+    def keep_fresh(self, stop: threading.Event) -> threading.Thread:
+        """Refresh this member's record and its place from a thread until `stop`."""
+        def loop() -> None:
+            while not stop.wait(MEMBER_REFRESH):
+                try:
+                    self.refresh()
+                    self.look()
+                except Exception as e:  # noqa: BLE001 - a DHT hiccup; the next round tries again
+                    logger.debug("membership refresh failed: %r", e)
+
+        thread = threading.Thread(target=loop, name="membership", daemon=True)
+        thread.start()
+        return thread
 
 
 def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
@@ -212,14 +216,19 @@ def build_workload(spec, code: Path | None, dataset: Path | None, device, workdi
     return workload, params
 
 
-def clean_metrics(metrics) -> dict[str, float]:
-    """The workload's metrics as the wire takes them: named floats, finite, at most 32 (the rest dropped)."""
+@functools.cache
+def _metric_names():
     from gpuswarm.proto.models import MetricName
     from pydantic import TypeAdapter
 
+    return TypeAdapter(MetricName)
+
+
+def clean_metrics(metrics) -> dict[str, float]:
+    """The workload's metrics as the wire takes them: named floats, finite, at most 32 (the rest dropped)."""
     if not isinstance(metrics, dict):
         raise TypeError(f"evaluate must return a dict of named metrics, not {type(metrics).__name__}")
-    names = TypeAdapter(MetricName)
+    names = _metric_names()
     out: dict[str, float] = {}
     for name, value in metrics.items():
         try:
