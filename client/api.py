@@ -124,6 +124,17 @@ def file_digest(path: Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
+async def file_chunks(path: Path, progress: Progress | None = None) -> AsyncIterator[bytes]:
+    """The file's bytes in chunks, read off the event loop; `progress(bytes_sent_so_far)` after each."""
+    sent = 0
+    with open(path, "rb") as f:
+        while chunk := await asyncio.to_thread(f.read, CHUNK):
+            sent += len(chunk)
+            yield chunk
+            if progress is not None:
+                progress(sent)
+
+
 def _segment(value: str) -> str:
     """A path segment from a caller's value (an id, a file name): never a way to another route."""
     return quote(value, safe="")
@@ -309,16 +320,7 @@ class CoordinatorClient:
         """Stream the file at `path` (whose SHA-256 and size the caller computed) into the store, in chunks;
         `progress(bytes_sent_so_far)` after each. The coordinator checks the bytes against `sha256` and `size`."""
 
-        async def chunks() -> AsyncIterator[bytes]:
-            sent = 0
-            with open(path, "rb") as f:
-                while chunk := await asyncio.to_thread(f.read, CHUNK):
-                    sent += len(chunk)
-                    yield chunk
-                    if progress is not None:
-                        progress(sent)
-
-        return await self._call(BlobStored, "PUT", f"/v1/blobs/{_segment(sha256)}", data=chunks(),
+        return await self._call(BlobStored, "PUT", f"/v1/blobs/{_segment(sha256)}", data=file_chunks(path, progress),
                                 headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
                                 timeout=_STREAM)
 
@@ -427,17 +429,8 @@ class CoordinatorClient:
                             metrics=dict(metrics) if metrics is not None else None)
         envelope = self._envelope("artifact", meta)
 
-        async def chunks() -> AsyncIterator[bytes]:
-            sent = 0
-            with open(path, "rb") as f:
-                while chunk := await asyncio.to_thread(f.read, CHUNK):
-                    sent += len(chunk)
-                    yield chunk
-                    if progress is not None:
-                        progress(sent)
-
         return await self._call(ArtifactStored, "PUT", f"/v1/jobs/{_segment(job_id)}/artifacts/{_segment(name)}",
-                                data=chunks(), timeout=_STREAM,
+                                data=file_chunks(path, progress), timeout=_STREAM,
                                 headers={ENVELOPE_HEADER: envelope.model_dump_json(), "Content-Length": str(size),
                                          "Content-Type": "application/octet-stream"})
 

@@ -93,6 +93,17 @@ async def missing_blobs(request: web.Request) -> web.Response:
     return respond(api.BlobsMissing, {"missing": [s for s in dict.fromkeys(query.sha256) if s not in held]})
 
 
+async def check_quota(session, owner_id: str, sha256: str, size: int, quota: int) -> tuple[int, bool]:
+    """(bytes the owner holds, whether it holds `sha256` already); 403 `quota_exceeded` if this blob would pass
+    the quota."""
+    used = await blobs.held_bytes(session, owner_id)
+    already = sha256 in await blobs.holdings(session, owner_id, [sha256])
+    if not already and used + size > quota:
+        raise Forbidden(f"over your storage quota: you hold {used} bytes ({_size(used)}) of {quota} "
+                        f"({_size(quota)}); this blob is {size} bytes ({_size(size)})", code="quota_exceeded")
+    return used, already
+
+
 @routes.put("/v1/blobs/{sha256}")
 @describe(auth="owner", response=api.BlobStored, status=201)
 async def upload_blob(request: web.Request) -> web.Response:
@@ -109,24 +120,14 @@ async def upload_blob(request: web.Request) -> web.Response:
         raise PayloadTooLarge(f"the blob is {size} bytes; the coordinator stores at most {config.max_artifact_bytes} "
                               f"bytes ({_size(config.max_artifact_bytes)}) per blob")
     async with request.app[SESSIONS]() as session:
-        used = await blobs.held_bytes(session, owner.id)
-        already = sha256 in await blobs.holdings(session, owner.id, [sha256])
-    if not already and used + size > config.owner_quota_bytes:
-        raise Forbidden(f"over your storage quota: you hold {used} bytes ({_size(used)}) of "
-                        f"{config.owner_quota_bytes} ({_size(config.owner_quota_bytes)}); this blob is {size} bytes "
-                        f"({_size(size)})", code="quota_exceeded")
+        await check_quota(session, owner.id, sha256, size, config.owner_quota_bytes)
     staged = await receive(request, sha256, size)
     try:
         async with request.app[BLOB_LOCK]:
             now = time.time()
             async with request.app[SESSIONS].begin() as session:
                 # Again, in the transaction: another upload of this owner may have finished meanwhile.
-                used = await blobs.held_bytes(session, owner.id)
-                already = sha256 in await blobs.holdings(session, owner.id, [sha256])
-                if not already and used + size > config.owner_quota_bytes:
-                    raise Forbidden(f"over your storage quota: you hold {used} bytes ({_size(used)}) of "
-                                    f"{config.owner_quota_bytes} ({_size(config.owner_quota_bytes)}); this blob is "
-                                    f"{size} bytes ({_size(size)})", code="quota_exceeded")
+                used, already = await check_quota(session, owner.id, sha256, size, config.owner_quota_bytes)
                 await staged.commit()
                 await blobs.record_upload(session, owner.id, sha256, size, now)
                 held = used if already else used + size

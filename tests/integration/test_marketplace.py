@@ -47,8 +47,13 @@ def test_a_node_that_inflates_its_claims_is_credited_only_what_its_peers_support
     # Credited at most the throughput cap (3x its peers' median share of each round, one round's worth always
     # allowed): less than it claimed, and never far beyond what an honest member was credited.
     assert lying.samples < 0.75 * lying.claimed_samples, lying
-    assert lying.samples <= 3.1 * max(rows[n].samples for n in honest), lying
-    reputation = {n.id: n.reputation for n in lab.client.nodes()}
+    # The cap scales a peer's share by the ratio of challenge-measured GFLOP/s (ledger.throughput_cap), so a liar
+    # whose one challenge measured faster than its peers' may go that much further (issue 16 replaces this cap).
+    nodes = {n.id: n for n in lab.client.nodes()}
+    speed = {n: nodes[n].measured_gflops for n in honest | {liar}}
+    ratio = max((speed[liar] / speed[n] for n in honest if speed[liar] and speed[n]), default=1.0)
+    assert lying.samples <= 3.1 * max(1.0, ratio) * max(rows[n].samples for n in honest), (lying, speed)
+    reputation = {n.id: n.reputation for n in nodes.values()}
     assert reputation[liar] < min(reputation[n] for n in honest)
 
 
