@@ -190,6 +190,11 @@ def _round_outcome(control: StepControl) -> tuple[Any, BaseException | None]:
         return None, e
 
 
+def key_signer(private_key: Ed25519PrivateKey) -> tuple[Callable[[dict[str, Any]], SignedEnvelope], str]:
+    """A claim signer that holds the key itself (the daemon's, and tests'), and the node id it signs as."""
+    return functools.partial(sign, private_key, CLAIM_KIND), node_id_for(public_key_b64(private_key.public_key()))
+
+
 class ClaimAttestor:
     """Signs this node's claim for each epoch, tracks the rounds that carry it, and reports finished rounds.
 
@@ -199,7 +204,8 @@ class ClaimAttestor:
 
     def __init__(
         self,
-        private_key: Ed25519PrivateKey,
+        signer: Callable[[dict[str, Any]], SignedEnvelope],
+        node_id: str,
         job_id: str,
         peer_id: str,
         on_round: Callable[[RoundResult], None],
@@ -210,9 +216,10 @@ class ClaimAttestor:
     ) -> None:
         if not (math.isfinite(inflate) and inflate > 0):
             raise ValueError(f"claim inflation factor must be a positive number, not {inflate}")
-        self.private_key, self.job_id, self.peer_id, self.on_round = private_key, job_id, peer_id, on_round
+        # `signer` turns a claim payload into its envelope signed with the node's key; in a training process it
+        # asks the daemon (gpuswarm.node.worker.DaemonSigner), so the key never enters the process.
+        self.signer, self.node_id, self.job_id, self.peer_id, self.on_round = signer, node_id, job_id, peer_id, on_round
         self.on_failed = on_failed  # (epoch, error) of each round that failed; for metrics, must not raise
-        self.node_id = node_id_for(public_key_b64(private_key.public_key()))
         self.meter = meter if meter is not None else ContributionMeter()
         self.inflate = inflate  # test-only fault injection: see gpuswarm.node.worker
         self._epoch_source: Callable[[], int] | None = None
@@ -252,7 +259,7 @@ class ClaimAttestor:
             steps=covered.steps - start.steps, compute_seconds=max(0.0, compute),
             window_start=start.time, window_end=max(covered.time, start.time), peer_id=self.peer_id,
         )
-        signed = SignedClaim(epoch, sign(self.private_key, CLAIM_KIND, claim.model_dump(mode="json")), covered)
+        signed = SignedClaim(epoch, self.signer(claim.model_dump(mode="json")), covered)
         self._claims[epoch] = signed
         for old in sorted(self._claims)[:-CLAIM_HISTORY]:
             del self._claims[old]

@@ -1,4 +1,4 @@
-"""The node's command group: `gpuswarm node start`, `gpuswarm node id`, `gpuswarm node evaluate`.
+"""The node's command group: `gpuswarm node start`, `node id`, `node evaluate`, `node sandbox-check`.
 
 `start` and `evaluate` need the gpuswarm[node] install (torch, hivemind, ...): their imports are inside them, so
 `gpuswarm --help` and the other groups work without it, and a missing extra is named when they run.
@@ -50,6 +50,14 @@ def start(
              "opted in). Built-in workloads run either way.")] = False,
     cache_gb: Annotated[float, typer.Option(min=0.001, help="Bound of the artifact cache (job code, datasets, "
                                             "checkpoints) under STATE_DIR/cache, in GiB.")] = 20.0,
+    sandbox_memory_gb: Annotated[float, typer.Option(min=0.1, help="Memory one job's code may use (cgroup "
+                                                     "memory.max, else RLIMIT_DATA), in GiB.")] = 8.0,
+    sandbox_processes: Annotated[int, typer.Option(min=16, help="Processes and threads one job's code may run "
+                                                   "(cgroup pids.max, else RLIMIT_NPROC).")] = 256,
+    step_timeout: Annotated[float, typer.Option(min=1.0, help="Seconds a job's code may take for one step, "
+                                                "evaluation or save before it is stopped as hung.")] = 600.0,
+    max_job_hours: Annotated[float | None, typer.Option(min=0.001, help="Wall-time limit of one job on this "
+                                                        "node, in hours (default: none).")] = None,
     log_level: LogLevel = "info",
     log_format: LogFormat = "text",
 ) -> None:
@@ -69,15 +77,21 @@ def start(
     except IdentityError as e:
         log.error("%s", e)
         raise typer.Exit(1) from None
-    if allow_custom_code:
-        log.warning("--allow-custom-code: this node runs job owners' own code, with the daemon's user rights "
-                    "(no sandbox yet): opt in only on a machine you can wipe")
+    from gpuswarm.node import sandbox
+    from gpuswarm.node.trainer_link import Settings
+
+    if allow_custom_code and (why := sandbox.unavailable_reason()) is not None:
+        log.error("--allow-custom-code: not offered, because this node cannot sandbox job owners' code (%s); it "
+                  "runs built-in workloads only", why)
+        allow_custom_code = False
+    limits = sandbox.Limits(memory_bytes=int(sandbox_memory_gb * 2**30), processes=sandbox_processes)
     if not mesh:
         log.warning("--no-mesh: hivemind traffic on %s is NOT encrypted (development only)", host)
     config = NodeConfig(coordinator_url=coordinator, state_dir=state_dir, host=host, price_per_gpu_hour=price,
                         endpoints=[host], mesh=mesh, mesh_listen_port=listen_port, mesh_endpoints=endpoint or [],
                         metrics_host=metrics_host, metrics_port=metrics_port, allow_custom_code=allow_custom_code,
-                        cache_max_bytes=int(cache_gb * 1024**3))
+                        cache_max_bytes=int(cache_gb * 1024**3), max_job_hours=max_job_hours,
+                        sandbox=Settings(limits=limits, answer_timeout=step_timeout))
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -161,3 +175,17 @@ def evaluate(
     else:
         typer.echo(f"{model}: {saved.workload} {_format_metrics(metrics)}"
                    + (f" (reported {_format_metrics(reported)})" if reported else ""))
+
+
+@node_app.command("sandbox-check")
+def sandbox_check(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Run hostile probes (read the node's key, reach the network, fork-bomb, ...) inside this node's job sandbox
+    and show whether each was contained. Exit status 0 when all were, 1 otherwise or when this node cannot
+    sandbox (bubblewrap missing or not working)."""
+    from gpuswarm.node.sandboxcheck import report
+
+    output, code = report(as_json)
+    typer.echo(output)
+    raise typer.Exit(code)

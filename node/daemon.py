@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuswarm.client.api import ApiError, CoordinatorUnavailable, Rejected
+from gpuswarm.node import sandbox
 from gpuswarm.node.advertiser import Advertiser
+from gpuswarm.node.attest import key_signer
 from gpuswarm.node.cache import ArtifactCache, CacheError
 from gpuswarm.node.challenge import Challenger
 from gpuswarm.node.identity import Identity
@@ -26,6 +28,7 @@ from gpuswarm.node.metrics import GpuReader, MeshPeerStats, MetricsServer, NodeM
 from gpuswarm.node.outbox import Outbox
 from gpuswarm.node.runner import JobInputs, JobRunner, RunningJob
 from gpuswarm.node.states import Facts, next_state
+from gpuswarm.node.trainer_link import Settings
 from gpuswarm.proto.models import (
     Assignment,
     AssignmentFailure,
@@ -62,6 +65,8 @@ class NodeConfig:
     metrics_port: int = 0  # 0: no metrics endpoint
     allow_custom_code: bool = False  # the operator opted in to running job owners' own code
     cache_max_bytes: int = 20 * 1024**3  # bound of the artifact cache (job code, datasets, checkpoints)
+    sandbox: Settings = field(default_factory=Settings)  # how jobs' code runs: limits, the time for one step
+    max_job_hours: float | None = None  # wall-time limit of one job on this node
 
 
 @dataclass
@@ -84,7 +89,9 @@ class NodeDaemon:
         self.reachable = True
         self.interval = 2.0
         self.outbox = Outbox(config.state_dir / "outbox")
-        self.runner = JobRunner(config.state_dir / "jobs", config.host, self._on_event, gpu_count=resources.gpu_count)
+        self.runner = JobRunner(config.state_dir / "jobs", config.host, self._on_event,
+                                signer=key_signer(identity.private_key)[0], gpu_count=resources.gpu_count,
+                                settings=config.sandbox, max_hours=config.max_job_hours)
         self.cache = ArtifactCache(config.state_dir / "cache", config.cache_max_bytes)
         self._preparing: dict[str, asyncio.Task] = {}  # job id -> fetching its inputs, then starting it
         self._preparing_for: dict[str, Assignment] = {}
@@ -305,6 +312,8 @@ class NodeDaemon:
         """Fetch the job's code, dataset and newest checkpoint into the cache (verified), then start training."""
         if a.spec.custom_code and not self.config.allow_custom_code:
             return self._fail(a.job_id, "this node does not run job owners' code (its operator has not opted in)")
+        if a.spec.custom_code and (why := sandbox.unavailable_reason()) is not None:
+            return self._fail(a.job_id, f"this node does not run job owners' code without a sandbox: {why}")
         try:
             inputs = await self._fetch_inputs(a)
         except asyncio.CancelledError:

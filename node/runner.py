@@ -2,7 +2,10 @@
 
 Owns starting a training process for an assignment with its fetched inputs (code, dataset, checkpoint), giving it
 the node's GPUs it may use (CUDA_VISIBLE_DEVICES: the job's share of the GPUs this node advertised, none on a
-CPU node), reading its JSON-line events, stopping it within a bounded time (SIGTERM, then SIGKILL), and noticing
+CPU node) and the sandbox settings for the job's code (sandboxed whenever this node can; a job with its owner's
+code never runs otherwise), reading its JSON-line events, signing its claims with the node's key (the training
+process never holds the key: it asks with a "sign" event and gets the envelope on its stdin, and only this
+node's claims for that job are signed), stopping it within a bounded time (SIGTERM, then SIGKILL), and noticing
 when it crashed. A crash in a job never reaches the daemon: it becomes a failure the daemon reports, with the
 reason the worker gave ("error" event) or its log's tail. The child asks for SIGTERM if the daemon itself dies
 (see `worker.die_with_parent`).
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -21,9 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpuswarm.node.identity import KEY_FILE
+from gpuswarm.node import sandbox
+from gpuswarm.node.trainer_link import Settings
 from gpuswarm.node.worker import EVENT_PREFIX, PARENT_PID_ENV
-from gpuswarm.proto.models import Assignment, Progress
+from gpuswarm.proto.models import Assignment, ContributionClaim, Progress
+from gpuswarm.proto.signing import SignedEnvelope
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +57,17 @@ class RunningJob:
 
 
 EventHandler = Callable[[RunningJob, dict], None]
+Signer = Callable[[dict], SignedEnvelope]
 
 
 class JobRunner:
-    def __init__(self, jobs_dir: Path, host: str, on_event: EventHandler, key_path: Path | None = None,
-                 gpu_count: int = 0):
-        self.jobs_dir, self.host, self.on_event = jobs_dir, host, on_event
-        # The training process signs its round claims with the daemon's own key; jobs_dir is <state_dir>/jobs,
-        # and the identity file lives in <state_dir>.
-        self.key_path = key_path if key_path is not None else jobs_dir.parent / KEY_FILE
+    def __init__(self, jobs_dir: Path, host: str, on_event: EventHandler, signer: Signer,
+                 gpu_count: int = 0, settings: Settings = Settings(), max_hours: float | None = None):
+        self.jobs_dir, self.host, self.on_event, self.signer = jobs_dir, host, on_event, signer
+        # How jobs' code runs. The node's whole state dir (keys, database, cache, other jobs) is hidden from it.
+        self.settings = Settings(settings.sandboxed, settings.limits, settings.answer_timeout,
+                                 settings.hide + (jobs_dir.parent,))
+        self.max_hours = max_hours
         # The GPUs this node advertised, numbered as the daemon's CUDA_VISIBLE_DEVICES lists them (if it is set).
         self.visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
         self.gpu_count = min(gpu_count, len(self.visible)) if self.visible else gpu_count
@@ -86,14 +94,15 @@ class JobRunner:
         workdir.mkdir(parents=True, exist_ok=True)
         spec_path = workdir / "assignment.json"
         spec_path.write_text(assignment.model_dump_json(indent=2))
-        args = [str(spec_path), "--host", self.host, "--workdir", str(workdir), "--key", str(self.key_path)]
+        args = [str(spec_path), "--host", self.host, "--workdir", str(workdir), *self._sandbox_args(assignment)]
         for flag, path in (("--code", inputs.code), ("--dataset", inputs.dataset), ("--checkpoint", inputs.checkpoint)):
             if path is not None:
                 args += [flag, str(path)]
         log = open(workdir / "worker.log", "ab")
         try:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gpuswarm.node.worker", *args, stdout=asyncio.subprocess.PIPE, stderr=log,
+                sys.executable, "-m", "gpuswarm.node.worker", *args, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=log,
                 # No preexec_fn: forking a threaded daemon and running Python before exec can deadlock the child
                 # while the parent's event loop waits for the exec. The worker sets its own parent-death signal.
                 # Only the job's GPUs are visible to it ("" on a CPU node: none, even if the machine has some).
@@ -109,6 +118,35 @@ class JobRunner:
                     assignment.num_shards, process.pid)
         return job
 
+    def _sandbox_args(self, assignment: Assignment) -> list[str]:
+        """The worker's sandbox flags. A job with its owner's code is sandboxed or not run (OSError: the daemon
+        refuses such jobs before this when the node cannot sandbox); a built-in runs unsandboxed only on a node
+        without bubblewrap."""
+        why = sandbox.unavailable_reason() if self.settings.sandboxed else "sandboxing is off on this node"
+        if why is not None and assignment.spec.code is not None:
+            raise OSError(f"this node does not run job owners' code without a sandbox: {why}")
+        args = ["--sandbox" if why is None else "--no-sandbox",
+                "--limits", json.dumps(dataclasses.asdict(self.settings.limits)),
+                "--answer-timeout", str(self.settings.answer_timeout)]
+        for path in self.settings.hide:
+            args += ["--hide", str(path)]
+        if self.max_hours:
+            args += ["--max-hours", str(self.max_hours)]
+        return args
+
+    def _sign(self, job: RunningJob, event: dict) -> None:
+        """Answer the worker's "sign" request: this node's claim for this job, signed; anything else refused."""
+        try:
+            claim = ContributionClaim.model_validate(event.get("payload"))
+            if (claim.job_id, claim.node_id) != (job.assignment.job_id, job.assignment.node_id):
+                raise ValueError(f"not this node's claim for job {job.assignment.job_id}")
+            answer = {"id": event.get("id"), "envelope": self.signer(claim.model_dump(mode="json"))
+                      .model_dump(mode="json")}
+        except Exception as e:  # noqa: BLE001 - the worker gets the reason; its round carries no claim
+            answer = {"id": event.get("id"), "error": str(e)[:300]}
+        if job.process.stdin is not None and not job.process.stdin.is_closing():
+            job.process.stdin.write(json.dumps(answer).encode() + b"\n")
+
     async def _read_events(self, job: RunningJob) -> None:
         stdout = job.process.stdout
         if stdout is None:
@@ -119,6 +157,9 @@ class JobRunner:
                 continue
             try:
                 event = json.loads(line[len(EVENT_PREFIX):])
+                if event.get("event") == "sign":
+                    self._sign(job, event)
+                    continue
                 if event.get("event") == "progress":
                     job.progress = Progress.model_validate(event)
                 elif event.get("event") == "finished":

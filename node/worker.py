@@ -1,33 +1,37 @@
-"""The training process: one per job on a node, started and supervised by `gpuswarm.node.runner`.
+"""The trusted half of a job's training: one process per job on a node, started and supervised by
+`gpuswarm.node.runner`.
 
-Owns the hivemind DHT peer and `hivemind.Optimizer` of one job run, and driving the job's workload through the
-SDK (`gpuswarm.sdk`, built-in or the owner's code, one path): the device(s) and precision, this member's data shard
-(by its place among the run's live members, re-sharded when they change), the training loop, evaluation against the
-stop rule, checkpoints (written by the member at place 0, uploaded by the daemon), resuming from one, and saving
-the final model. A failure in the workload ends the process with an "error" event that names the reason.
+Owns everything of a job run that touches the network and the money: the hivemind DHT peer, `hivemind.Optimizer`
+(the averaging and the optimizer step, over the worker's own copy of the parameters), the run's membership and this
+member's data shard, the stop rule, checkpoints (written by the member at place 0, uploaded by the daemon) and
+resuming from one, the progress events and the claims. The job's workload code never runs here: it runs in the
+sandboxed trainer (`gpuswarm.node.trainer`, reached through `gpuswarm.node.trainer_link`), which computes each
+batch's gradients into a shared buffer; the worker copies them out, refuses non-finite ones, steps, and publishes
+the parameters back when they change. Whatever the trainer does ends, at worst, as an "error" event with a reason.
 
-It talks to its parent only through JSON lines on stdout (prefixed with `EVENT_PREFIX`, so stray prints cannot be
-mistaken for events) and its exit code; it never talks to the coordinator, so training goes on while the
+It talks to its parent only through JSON lines on stdout (prefixed with `EVENT_PREFIX`) and stdin (the daemon's
+answers to "sign" requests), and its exit code; it never talks to the coordinator, so training goes on while the
 coordinator is down. Crashes here cannot take the daemon down.
 
 Contribution accounting is peer-attested (`gpuswarm.node.attest`): in every gradient all-reduce round the node
-shares a claim signed with the daemon's key (`--key`, the daemon's identity file) through the averager's gather
-data, and emits one "round" event per round with the signed claims of its whole group, its own first. The daemon
-turns that into a RoundReport. A round that failed gives a "round_failed" event, which only the daemon's metrics
-count.
+shares a signed claim through the averager's gather data, and emits one "round" event per round with the signed
+claims of its whole group, its own first. This process holds no key: the daemon signs each claim on request
+(`DaemonSigner`, after checking it is this node's claim for this job). A round that failed gives a "round_failed"
+event, which only the daemon's metrics count.
 
 Test-only fault injection: GPUSWARM_FAULT_INFLATE_CLAIMS=<factor> multiplies the samples and compute seconds in this
 node's OWN claims (those it shares and those it reports), to play a lying node in end-to-end tests of the ledger.
 Never set it in production; the worker logs a warning when it is set.
 
-Run as: python -m gpuswarm.node.worker ASSIGNMENT_JSON --host ADDRESS --workdir DIR --key IDENTITY_KEY
-        [--code DIR_OR_WHEEL] [--dataset PATH] [--checkpoint FILE]
+Run as: python -m gpuswarm.node.worker ASSIGNMENT_JSON --host ADDRESS --workdir DIR [--code DIR_OR_WHEEL]
+        [--dataset PATH] [--checkpoint FILE] [--sandbox | --no-sandbox] [--limits JSON] [--answer-timeout S]
+        [--max-hours H] [--hide PATH ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import itertools
 import json
 import logging
 import math
@@ -38,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+from gpuswarm.node.trainer_link import Inputs, Settings, TrainerFailed, TrainerLink
 from gpuswarm.proto import logs
 
 EVENT_PREFIX = "@gpuswarm "
@@ -46,15 +51,18 @@ PR_SET_PDEATHSIG = 1
 RENDEZVOUS_TIMEOUT = 60.0
 MEMBER_TTL = 20.0  # a member's record in the run's membership key lives this long unless refreshed
 MEMBER_REFRESH = 5.0
-CHECKPOINT_FORMAT = "gpuswarm-checkpoint/1"
+SIGN_TIMEOUT = 10.0  # seconds the daemon has to answer a "sign" request
 WORKLOAD_FAILED = 3  # exit code: the job's workload failed (its reason went out as an "error" event)
 FAULT_INFLATE_ENV = "GPUSWARM_FAULT_INFLATE_CLAIMS"
 logger = logging.getLogger("gpuswarm.worker")
+_emit_lock = threading.Lock()
 
 
 def emit(event: str, **fields) -> None:
-    sys.stdout.write(EVENT_PREFIX + json.dumps({"event": event, **fields}, allow_nan=False) + "\n")
-    sys.stdout.flush()
+    line = EVENT_PREFIX + json.dumps({"event": event, **fields}, allow_nan=False) + "\n"
+    with _emit_lock:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def claim_inflation() -> float:
@@ -72,13 +80,56 @@ def claim_inflation() -> float:
     return factor
 
 
-def load_identity(path: Path):
-    """The daemon's signing key. Only an existing key file is accepted: the training process never makes one."""
-    from gpuswarm.node.identity import KEY_FILE, load_or_create
+class DaemonSigner:
+    """Claims signed by the daemon, which holds the node's key: a "sign" event out on stdout, the envelope back on
+    stdin as one JSON line {"id": N, "envelope": {...}} (or {"id": N, "error": "..."})."""
 
-    if path.name != KEY_FILE or not path.is_file():
-        raise SystemExit(f"--key must name the node's existing {KEY_FILE}, not {path}")
-    return load_or_create(path.parent)
+    def __init__(self, fd: int = 0):
+        # A raw (unbuffered, lock-free) file of its own: a thread blocked reading sys.stdin would hold its buffer's
+        # lock, and hivemind's forked processes close sys.stdin on start: they would wait for that lock forever.
+        self._file = os.fdopen(os.dup(fd), "rb", buffering=0)
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, list] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name="signer", daemon=True).start()
+
+    def _read(self) -> None:
+        pending = b""
+        while chunk := self._file.read(65536):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                self._answer(line)
+
+    def _answer(self, line: bytes) -> None:
+        try:
+            answer = json.loads(line)
+            slot = self._waiting.get(int(answer["id"]))
+        except (ValueError, KeyError, TypeError):
+            logger.warning("ignoring a bad line from the daemon: %.200r", line)
+            return
+        if slot is not None:
+            slot[1] = answer
+            slot[0].set()
+
+    def __call__(self, payload: dict):
+        from gpuswarm.proto.signing import SignedEnvelope
+
+        request_id = next(self._ids)
+        slot = [threading.Event(), None]
+        with self._lock:
+            self._waiting[request_id] = slot
+        try:
+            emit("sign", id=request_id, payload=payload)
+            if not slot[0].wait(SIGN_TIMEOUT):
+                raise TimeoutError(f"the daemon did not sign claim {request_id} within {SIGN_TIMEOUT:.0f}s")
+            answer = slot[1]
+            if "error" in answer:
+                raise ValueError(f"the daemon refused to sign: {answer['error']}")
+            return SignedEnvelope.model_validate(answer["envelope"])
+        finally:
+            with self._lock:
+                self._waiting.pop(request_id, None)
 
 
 class Membership:
@@ -161,87 +212,6 @@ def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
                    optimizer.tracker.global_progress.num_peers, min_nodes)
 
 
-def training_devices(precision: str):
-    """The devices this training process may use and whether bf16 autocast is on. The runner sets
-    CUDA_VISIBLE_DEVICES to the GPUs the node gave this job (none on a CPU node), so every visible GPU is ours."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        # Native bf16 only: an emulated one (T4, V100) is slower than fp32.
-        bf16 = precision == "bf16" and torch.cuda.is_bf16_supported(including_emulation=False)
-        if precision == "bf16" and not bf16:
-            logger.warning("bf16 requested but %s does not support it: training in fp32",
-                           torch.cuda.get_device_name(0))
-    else:
-        devices, bf16 = [torch.device("cpu")], False
-        if precision == "bf16":
-            logger.warning("bf16 requested but this node trains on the CPU: training in fp32")
-    return devices, bf16
-
-
-def _autocast_module():
-    import torch
-
-    class Autocast(torch.nn.Module):
-        """`model` with bf16 autocast entered inside its own forward (for DataParallel's replica threads)."""
-
-        def __init__(self, model, enabled: bool):
-            super().__init__()
-            self.model, self.enabled = model, enabled
-
-        def forward(self, *args, **kwargs):
-            with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.enabled):
-                return self.model(*args, **kwargs)
-
-    return Autocast
-
-
-def build_workload(spec, code: Path | None, dataset: Path | None, device, workdir: Path):
-    """The job's workload through the SDK, built-in or the owner's: (workload, validated params)."""
-    from gpuswarm.node.workloads import resolve_builtin
-    from gpuswarm.sdk import Context, Workload
-    from gpuswarm.sdk.loader import WorkloadError, import_entrypoint, validate_params
-
-    factory = import_entrypoint(spec.code.entrypoint, code) if spec.code is not None \
-        else resolve_builtin(spec.workload)
-    params = validate_params(factory, spec.hyperparameters)
-    seed = params.get("seed", 0) if isinstance(params, dict) else getattr(params, "seed", 0)
-    scratch = workdir / "scratch"
-    scratch.mkdir(parents=True, exist_ok=True)
-    ctx = Context(params=params, dataset=dataset, device=device, workdir=scratch, seed=int(seed or 0))
-    workload = factory(ctx)
-    if not isinstance(workload, Workload):
-        raise WorkloadError(f"{spec.label} returned {type(workload).__name__}, not a gpuswarm.sdk.Workload")
-    return workload, params
-
-
-@functools.cache
-def _metric_names():
-    from gpuswarm.proto.models import MetricName
-    from pydantic import TypeAdapter
-
-    return TypeAdapter(MetricName)
-
-
-def clean_metrics(metrics) -> dict[str, float]:
-    """The workload's metrics as the wire takes them: named floats, finite, at most 32 (the rest dropped)."""
-    if not isinstance(metrics, dict):
-        raise TypeError(f"evaluate must return a dict of named metrics, not {type(metrics).__name__}")
-    names = _metric_names()
-    out: dict[str, float] = {}
-    for name, value in metrics.items():
-        try:
-            names.validate_python(name)
-            value = float(value)
-        except (ValueError, TypeError):
-            logger.warning("ignoring metric %r: not a name and a number", name)
-            continue
-        if math.isfinite(value) and len(out) < 32:
-            out[name] = value
-    return out
-
-
 def stop_reason(rule, metrics: dict[str, float], step: int, epochs: float | None, elapsed: float) -> str | None:
     """Why training stops now, or None: the first rule of `rule` (a proto StopRule) that is met."""
     for name, op, threshold in rule.metric_targets():
@@ -291,190 +261,179 @@ class Checkpoints:
         by_time = self.every_seconds is not None and time.monotonic() - self.last_time >= self.every_seconds
         return by_steps or by_time
 
-    def write(self, model, optimizer, step: int, samples: int, position: dict) -> Path:
+    def write(self, model_state: dict, optimizer, step: int, samples: int, position: dict) -> Path:
         import torch
+        from gpuswarm.node.workloads.saved import CHECKPOINT_FORMAT
 
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"checkpoint-{step:08d}.pt"
         tmp = path.with_suffix(".tmp")
         torch.save({"format": CHECKPOINT_FORMAT, "step": step, "samples": samples, "data_position": position,
-                    "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                    "optimizer": optimizer.state_dict()}, tmp)
+                    "model": model_state, "optimizer": optimizer.state_dict()}, tmp)
         os.replace(tmp, path)
         self.last_step, self.last_time = step, time.monotonic()
         return path
 
 
-def load_checkpoint(path: Path) -> dict:
+class SharedParams:
+    """The worker's own copy of the model's parameters (what hivemind averages and steps), and the two shared
+    buffers it trades with the trainer: gradients in (copied out, then checked), parameters out (published when
+    they changed, with a new version number the trainer's next request carries)."""
+
+    def __init__(self, link):
+        import torch
+
+        self.link, self.version = link, 0
+        self.shapes = [tuple(p.shape) for p in link.hello.params]
+        self.sizes = [math.prod(shape) for shape in self.shapes]
+        initial = link.params.tensor.clone()
+        if not torch.isfinite(initial).all():
+            raise TrainerFailed("the workload's initial parameters are not finite")
+        self.params = [torch.nn.Parameter(chunk.view(shape).clone())
+                       for chunk, shape in zip(initial.split(self.sizes), self.shapes, strict=True)]
+        self.grad_flat = torch.zeros(initial.numel())
+        self.grads = [chunk.view(shape) for chunk, shape in zip(self.grad_flat.split(self.sizes), self.shapes,
+                                                                   strict=True)]
+
+    def take_grads(self) -> None:
+        """The batch's gradients, copied out of the shared buffer first (the trainer cannot change them after the
+        check), then refused if any is NaN or infinite."""
+        import torch
+
+        self.grad_flat.copy_(self.link.grads.tensor)
+        if not torch.isfinite(self.grad_flat).all():
+            raise TrainerFailed("the workload put non-finite values (NaN or inf) in the shared gradient buffer; "
+                                "nothing of this batch was shared")
+        for param, grad in zip(self.params, self.grads, strict=True):
+            param.grad = grad
+
+    def publish(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for param, chunk in zip(self.params, self.link.params.tensor.split(self.sizes), strict=True):
+                chunk.copy_(param.reshape(-1))
+        self.version += 1
+
+
+def model_state(path: Path, limit: int) -> dict:
+    """A state dict the trainer wrote: plain tensors by name, loaded without running any pickle code."""
     import torch
 
-    # weights_only: a checkpoint was written by another node, and a pickle could run code here.
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path.name} is not a gpuswarm checkpoint")
-    return saved
+    if not path.is_file() or path.stat().st_size > limit:
+        raise TrainerFailed(f"the workload's state file {path.name} is missing or over {limit} bytes")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever the file holds
+        raise TrainerFailed(f"the workload's state file is not a state dict: {e}") from None
+    finally:
+        path.unlink(missing_ok=True)
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise TrainerFailed("the workload's state file is not a dict of named tensors")
+    return state
 
 
-class ShardStream:
-    """The workload's batches for this member's current shard, restarted when the shard changes, with the data
-    position (shard and batches taken) that a checkpoint records and a resume skips to."""
-
-    def __init__(self, workload, base_seed: int):
-        self.workload, self.base_seed = workload, base_seed
-        self.shard = None
-        self.taken = 0
-        self._it = None
-
-    def reshard(self, index: int, count: int, step: int, resume: dict | None = None) -> bool:
-        """Switch to shard `index` of `count` (True if it changed). A resume position for the same shard picks up
-        its stream where the checkpoint left it."""
-        import itertools
-
-        from gpuswarm.sdk import Shard
-
-        if self.shard is not None and (self.shard.index, self.shard.count) == (index, count):
-            return False
-        skip = 0
-        if resume and (resume.get("index"), resume.get("count")) == (index, count):
-            shard, skip = Shard(index, count, int(resume["seed"])), int(resume.get("batches", 0))
-        else:  # a new seed per re-sharding: the new stream does not replay the old order
-            shard = Shard(index, count, self.base_seed * 1_000_003 + step)
-        self.shard, self.taken = shard, skip
-        self._it = itertools.islice(iter(self.workload.batches(shard)), skip, None)
-        return True
-
-    def next(self):
-        batch = next(self._it)
-        self.taken += 1
-        return batch
-
-    def position(self) -> dict:
-        return {"index": self.shard.index, "count": self.shard.count, "seed": self.shard.seed, "batches": self.taken}
-
-
-def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, key_path: Path,
-        code: Path | None = None, dataset: Path | None = None, checkpoint: Path | None = None) -> int:
+def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, settings: Settings,
+        inputs: Inputs = Inputs(), max_seconds: float | None = None) -> int:
     import hivemind
     import torch
     from gpuswarm.dht.swarm import SwarmDHT
     from gpuswarm.dht.validators import NodeAdvertValidator
     from gpuswarm.node.attest import ClaimAttestor, RoundResult
-    from gpuswarm.node.workloads.saved import save_model_file
+    from gpuswarm.node.workloads.saved import load_checkpoint, read_model_file
     from gpuswarm.proto.models import Assignment
-    from gpuswarm.sdk import to_device
 
-    torch.set_num_threads(int(os.environ.get("GPUSWARM_TORCH_THREADS", "1")))
+    threads = int(os.environ.get("GPUSWARM_TORCH_THREADS", "1"))
+    torch.set_num_threads(threads)
     a = Assignment.model_validate(assignment)
-    identity = load_identity(key_path)
-    if identity.node_id != a.node_id:
-        raise SystemExit(f"the assignment is for node {a.node_id}, but {key_path} is node {identity.node_id}'s key")
     inflate = claim_inflation()
     spec = a.spec
-    devices, bf16 = training_devices(spec.training.precision)
-    Autocast = _autocast_module()  # noqa: N806 - a class
-    device = devices[0]
-    workload, params = build_workload(spec, code, dataset, device, workdir)
-    model = workload.build_model()
-    resumed = load_checkpoint(checkpoint) if checkpoint is not None else None
-    if resumed is not None:
-        model.load_state_dict(resumed["model"])
-    model.to(device)
-
-    def autocast():
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
-
-    def evaluate() -> dict[str, float]:
-        model.eval()
-        try:
-            with torch.no_grad(), autocast():
-                return clean_metrics(workload.evaluate(model))
-        finally:
-            model.train()
-
-    # Before joining anyone: a stop rule the workload cannot meet fails here, in seconds, with the reason.
-    check_stop_rule(spec.stop, evaluate(), workload.train_size)
-    # Several GPUs given to this job: each local batch is split across them (the node's share, on all its GPUs).
-    # DataParallel runs the replicas in threads, where the caller's autocast dtype does not reach (they would run
-    # fp16): each replica enters bf16 autocast itself.
-    forward_model = torch.nn.DataParallel(Autocast(model, bf16), device_ids=[d.index for d in devices]) \
-        if len(devices) > 1 else model
-    logger.info("training %s on %s%s", spec.label, ", ".join(str(d) for d in devices), " (bf16 autocast)" if bf16
-                else "")
-
-    def report_round(result: RoundResult) -> None:
-        emit("round", job_id=a.job_id, epoch=result.epoch, solo=result.solo, claims=result.claims)
-
-    def report_failed_round(epoch: int, error: BaseException) -> None:
-        # For the daemon's metrics only: hivemind has already fallen back to this node's local gradients.
-        emit("round_failed", job_id=a.job_id, epoch=epoch, error=repr(error)[:200])
-
-    dht = SwarmDHT(
-        initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
-        record_validators=[NodeAdvertValidator()],
-    )
-    optimizer = attestor = None
+    gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    link = TrainerLink(workdir, settings)
+    dht = optimizer = attestor = None
     done = threading.Event()  # ends this run's helper threads
     try:
+        # The trainer builds the model and measures its initial metrics before this node joins anyone: a broken
+        # workload or a stop rule it cannot meet fails here, in seconds, with the reason. The trainer runs at a
+        # lower priority, so a CPU-bound training loop cannot starve this process's all-reduce rounds on a shared
+        # CPU (a 2-core host running several nodes would otherwise miss every matchmaking deadline).
+        hello = link.start(spec.model_dump(mode="json"), inputs, gpus, threads,
+                           int(os.environ.get("GPUSWARM_TRAIN_NICE", "10")))
+        check_stop_rule(spec.stop, hello.metrics, hello.train_size)
+        shared = SharedParams(link)
+        state_limit = 8 * shared.grad_flat.numel() + 64 * 2**20
+        resumed = load_checkpoint(inputs.checkpoint) if inputs.checkpoint is not None else None
+        logger.info("training %s on %s%s, %s", spec.label, ", ".join(hello.devices), " (bf16 autocast)"
+                    if hello.bf16 else "", "sandboxed" if settings.sandboxed else "NOT sandboxed (built-in workload)")
+
+        def report_round(result: RoundResult) -> None:
+            emit("round", job_id=a.job_id, epoch=result.epoch, solo=result.solo, claims=result.claims)
+
+        def report_failed_round(epoch: int, error: BaseException) -> None:
+            # For the daemon's metrics only: hivemind has already fallen back to this node's local gradients.
+            emit("round_failed", job_id=a.job_id, epoch=epoch, error=repr(error)[:200])
+
+        dht = SwarmDHT(
+            initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
+            record_validators=[NodeAdvertValidator()],
+        )
         emit("ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
         membership = Membership(dht, a.run_id, a.node_id)
         membership.wait_for(spec.min_nodes, stop)
         membership.keep_fresh(done)
-        attestor = ClaimAttestor(identity.private_key, a.job_id, str(dht.peer_id), report_round, inflate=inflate,
-                                 on_failed=report_failed_round)
+        attestor = ClaimAttestor(DaemonSigner(), a.node_id, a.job_id, str(dht.peer_id), report_round,
+                                 inflate=inflate, on_failed=report_failed_round)
         optimizer = hivemind.Optimizer(
-            dht=dht, run_id=a.run_id, target_batch_size=workload.target_batch_size,
-            batch_size_per_step=workload.batch_size, params=model.parameters(), optimizer=workload.optimizer,
-            matchmaking_time=workload.matchmaking_time, averaging_timeout=workload.averaging_timeout,
+            dht=dht, run_id=a.run_id, target_batch_size=hello.target_batch_size,
+            batch_size_per_step=hello.batch_size, params=shared.params, optimizer=hello.optimizer.build,
+            matchmaking_time=hello.matchmaking_time, averaging_timeout=hello.averaging_timeout,
             # A newcomer joining a run in progress takes the current weights and optimizer state from a peer.
             load_state_timeout=60.0, averager_opts={"request_timeout": 1.0}, verbose=False,
             # Every gradient round carries this node's signed claim as gather data (see gpuswarm.node.attest).
             grad_averager_factory=attestor.averager_factory,
         )
         if resumed is not None:
-            # Every member of a run that lost all its nodes resumes from the same checkpoint; a member that finds
-            # peers further on loads their state instead (hivemind does, in its first step).
+            # Every member of a run that lost all its nodes resumes from the same checkpoint (the trainer loaded
+            # its model part); a member that finds peers further on loads their state instead (hivemind does, in
+            # its first step).
             optimizer.load_state_dict(resumed["optimizer"])
-            name = a.checkpoint.name if a.checkpoint is not None else checkpoint.name  # the cache names it by hash
+            name = a.checkpoint.name if a.checkpoint is not None else inputs.checkpoint.name
             logger.info("resumed from %s at step %d", name, optimizer.local_epoch)
             emit("resumed", step=optimizer.local_epoch, checkpoint=name)
         attestor.attach(lambda: optimizer.local_epoch)
-        # The averager and DHT run in their own processes, already started. Lowering only this process's priority
-        # keeps a CPU-bound training loop from starving the all-reduce rounds on a shared CPU (a 2-core host
-        # running several nodes would otherwise miss every matchmaking deadline).
-        os.nice(int(os.environ.get("GPUSWARM_TRAIN_NICE", "10")))
-        stream = ShardStream(workload, workload.ctx.seed)
-        stream.reshard(*membership.place(), optimizer.local_epoch, resumed and resumed.get("data_position"))
         checkpoints = Checkpoints(spec.training, workdir / "checkpoints")
         last_epoch = optimizer.local_epoch
+        resume_position = resumed and resumed.get("data_position")
         samples_total, started = 0, time.time()
         while not stop.is_set():
-            batch = to_device(stream.next(), device)
-            t0 = time.perf_counter()
-            with autocast():
-                loss = workload.loss(forward_model, batch)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"training loss is {loss.item()}; refusing to share non-finite gradients")
-            loss.backward()
-            n = workload.batch_samples(batch)
+            if max_seconds is not None and time.time() - started > max_seconds:
+                raise TrainerFailed(f"the job ran past this node's wall-time limit for a job ({max_seconds:.0f}s)")
+            index, count = membership.place()
+            done_step = link.request("step", "step", f"computing step {optimizer.local_epoch + 1}",
+                                     version=shared.version, index=index, count=count, step=optimizer.local_epoch,
+                                     resume=resume_position)
+            resume_position = None
+            shared.take_grads()
             # Recorded before optimizer.step(): a round scheduled inside that step claims this batch, which
             # hivemind has accumulated by then.
-            attestor.meter.record(n, time.perf_counter() - t0)
+            attestor.meter.record(done_step.samples, done_step.seconds)
             first_step = samples_total == 0
             optimizer.step()
-            optimizer.zero_grad()
-            samples_total += n
+            samples_total += done_step.samples
             attestor.poll()  # reports the round that just finished, or the epoch this node ended alone
             if first_step:
                 # The tracker publishes a peer only once it has accumulated samples: one step first, then wait.
                 wait_for_tracker(optimizer, spec.min_nodes, stop)
             if optimizer.local_epoch == last_epoch:
                 continue
+            # An averaged step (or the state loaded from a peer) changed the parameters: the trainer takes them.
+            shared.publish()
             last_epoch = step = optimizer.local_epoch
-            index, count = membership.place()
-            if stream.reshard(index, count, step):
+            if (index, count) != (done_step.position.index, done_step.position.count):
                 logger.info("members changed: now shard %d of %d", index, count)
-            metrics = evaluate()
-            epochs = step * workload.target_batch_size / workload.train_size if workload.train_size else None
+            metrics = link.request("evaluate", "metrics", f"evaluating step {step}", version=shared.version).metrics
+            epochs = step * hello.target_batch_size / hello.train_size if hello.train_size else None
             elapsed = max(time.time() - started, 1e-6)
             loss_value = metrics.get("loss", metrics.get("val_loss"))
             accuracy = metrics.get("accuracy")
@@ -485,28 +444,38 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, key_p
                  peers=optimizer.tracker.global_progress.num_peers)
             reason = stop_reason(spec.stop, metrics, step, epochs, elapsed)
             if reason is not None:
+                link.request("save_model", "saved", "saving the final model", version=shared.version,
+                             name="model.pt", metrics=metrics,
+                             metadata={"job_id": a.job_id, "global_step": step, "epoch": epochs,
+                                       "accuracy": accuracy, "stopped": reason})
                 path = workdir / "model.pt"
-                save_model_file(path, workload=spec.workload, entrypoint=spec.code.entrypoint if spec.code else None,
-                                params=params, model=model, metrics=metrics,
-                                metadata={"job_id": a.job_id, "global_step": step, "epoch": epochs,
-                                          "accuracy": accuracy, "stopped": reason})
+                os.replace(link.box / "model.pt", path)
+                try:
+                    read_model_file(path)
+                except (OSError, ValueError) as e:
+                    raise TrainerFailed(f"the final model file is not readable: {e}") from None
                 logger.info("stop rule met: %s", reason)
                 emit("finished", path=str(path), accuracy=accuracy if accuracy is not None and 0 <= accuracy <= 1
                      else None, epoch=round(epochs or 0.0, 3), global_step=step, metrics=metrics, reason=reason)
                 return 0
             if index == 0 and checkpoints.due(step):
-                path = checkpoints.write(model, optimizer, step, samples_total, stream.position())
+                link.request("save_state", "saved", f"saving the state of step {step}", version=shared.version,
+                             name="state.pt")
+                state = model_state(link.box / "state.pt", state_limit)
+                path = checkpoints.write(state, optimizer, step, samples_total, done_step.position.model_dump())
                 emit("checkpoint", path=str(path), step=step)
         return 0
     finally:
         done.set()
+        link.close()
         if optimizer is not None:
             optimizer.shutdown()
         if attestor is not None and optimizer is not None:
             # Rounds that finished while the optimizer shut down (it tags along with a running round) still count.
             # Work since the last round was never averaged into the model, so it is not claimed.
             attestor.finish()
-        dht.shutdown()
+        if dht is not None:
+            dht.shutdown()
 
 
 def die_with_parent() -> None:
@@ -527,11 +496,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("assignment", type=Path)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--key", type=Path, required=True,
-                        help="the daemon's Ed25519 identity file (<state_dir>/identity.key); signs the claims")
     parser.add_argument("--code", type=Path, help="the job's code: an unpacked directory or a wheel")
     parser.add_argument("--dataset", type=Path, help="the job's dataset: a file or an unpacked directory")
     parser.add_argument("--checkpoint", type=Path, help="a checkpoint to resume from when no peer has the state")
+    parser.add_argument("--sandbox", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the workload in a bubblewrap sandbox (--no-sandbox: built-in workloads only)")
+    parser.add_argument("--limits", help="the sandbox's limits, JSON of gpuswarm.node.sandbox.Limits")
+    parser.add_argument("--answer-timeout", type=float, default=600.0,
+                        help="seconds the workload may take for one step, evaluation or save")
+    parser.add_argument("--max-hours", type=float, help="wall-time limit of the job on this node")
+    parser.add_argument("--hide", type=Path, action="append", default=[],
+                        help="a path of the node's state the workload must never see (repeatable)")
     args = parser.parse_args(argv)
     die_with_parent()
     logs.configure("info", os.environ.get(logs.FORMAT_ENV, "text"), "worker")
@@ -539,27 +514,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     assignment = json.loads(args.assignment.read_text())
+    from gpuswarm.node import sandbox
     from gpuswarm.sdk.loader import WorkloadError
 
-    try:
-        return run(assignment, args.host, args.workdir, stop, args.key, args.code, args.dataset, args.checkpoint)
-    except SystemExit:
-        raise
-    except BaseException as e:  # noqa: BLE001 - the daemon gets the reason, whatever the owner's code raised
-        reason = str(e) if isinstance(e, WorkloadError) else workload_failure(e)
-        logger.error("training failed: %s", reason)
-        emit("error", reason=reason)
+    limits = sandbox.Limits(**json.loads(args.limits)) if args.limits else sandbox.Limits()
+    settings = Settings(sandboxed=args.sandbox, limits=limits, answer_timeout=args.answer_timeout,
+                        hide=tuple(args.hide))
+    if args.sandbox and (why := sandbox.unavailable_reason()) is not None:
+        emit("error", reason=f"this node cannot sandbox the job's code: {why}")
         return WORKLOAD_FAILED
-
-
-def workload_failure(error: BaseException) -> str:
-    """A failure's reason for the job's owner: the exception and the innermost frames, owners' code first."""
-    import traceback
-
-    frames = traceback.extract_tb(error.__traceback__)[-3:]
-    where = " < ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(frames))
-    # The error last: the coordinator's event keeps a long reason's tail.
-    return (f"at {where}: " if where else "") + f"{type(error).__name__}: {error}"
+    try:
+        return run(assignment, args.host, args.workdir, stop, settings,
+                   Inputs(args.code, args.dataset, args.checkpoint),
+                   args.max_hours * 3600 if args.max_hours else None)
+    except (TrainerFailed, WorkloadError) as e:
+        logger.error("training failed: %s", e)
+        emit("error", reason=str(e))
+        return WORKLOAD_FAILED
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ contract, and it stays backward compatible within a major version (`SDK_VERSION`
 A job's entrypoint (`package.module:function` in its job file) names a factory: `function(ctx: Context) ->
 Workload`. A `Workload` subclass itself is such a factory.
 
-Owns: `Context`, `Shard`, `Workload` and the small helpers workloads share (`shard_indices`, `to_device`). It
-imports torch and pydantic only; nothing here touches the network, the DHT or the node's state.
+Owns: `Context`, `Shard`, `Workload` and the small helpers workloads share (`shard_indices`, `to_device`);
+re-exports `OptimizerSpec` (defined with the node's trainer protocol, `gpuswarm.proto.trainer`). It imports torch,
+pydantic and that protocol only; nothing here touches the network, the DHT or the node's state. A workload runs in
+a sandbox on the node (no network, no node state, its own workdir): docs/security.md says what it can reach.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from gpuswarm.proto.trainer import OptimizerSpec
 from pydantic import BaseModel
 
 SDK_VERSION = 1
@@ -120,9 +123,11 @@ class Workload(abc.ABC):
         """Named metrics on held-out data, e.g. {"loss": 0.3, "accuracy": 0.95}; the job's stop rule may name any
         of them. Called under `torch.no_grad()` with the model in eval mode, on the node's device."""
 
-    def optimizer(self, parameters) -> torch.optim.Optimizer:
-        """The local optimizer the swarm's averaged steps apply (default: Adam at `learning_rate`)."""
-        return torch.optim.Adam(parameters, lr=self.learning_rate)
+    def optimizer(self) -> OptimizerSpec:
+        """The optimizer the swarm's averaged steps apply, by name (default: Adam at `learning_rate`). The node
+        builds it in its trusted worker, outside the sandbox, so it is a declaration, not code: Adam, AdamW or SGD
+        with their usual settings (`OptimizerSpec`)."""
+        return OptimizerSpec(name="adam", lr=self.learning_rate)
 
     def batch_samples(self, batch: Batch) -> int:
         """Samples in `batch` (default: the length of its first tensor): the unit of claims and epochs."""
@@ -132,4 +137,4 @@ class Workload(abc.ABC):
         return int(first.shape[0]) if isinstance(first, torch.Tensor) else 1
 
 
-__all__ = ["SDK_VERSION", "Batch", "Context", "Shard", "Workload", "shard_indices", "to_device"]
+__all__ = ["SDK_VERSION", "Batch", "Context", "OptimizerSpec", "Shard", "Workload", "shard_indices", "to_device"]

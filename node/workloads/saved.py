@@ -23,6 +23,16 @@ from gpuswarm.sdk import Context
 from gpuswarm.sdk.loader import WorkloadError, params_dict, validate_params
 
 MODEL_FORMAT = "gpuswarm-model/1"
+CHECKPOINT_FORMAT = "gpuswarm-checkpoint/1"
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint file: {"format", "step", "samples", "data_position", "model", "optimizer"}. Loaded with
+    weights_only: it was written by another node, and a pickle could run code here."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path.name} is not a gpuswarm checkpoint")
+    return saved
 
 
 @dataclass

@@ -171,6 +171,45 @@ def test_owner_code_trains_only_on_nodes_that_opted_in_and_the_model_loads_in_pl
     assert measured == pytest.approx(reported, abs=1e-6) and measured >= 0.9
 
 
+# Hostile owners' code: the same model, plus an attack from inside the sandbox (tests/node/test_hostile.py tries
+# every attack against the sandbox itself; these go through the whole node, coordinator and ledger).
+HOSTILE_CODE = OWNER_CODE + '''
+import mmap, os
+
+
+class Blobs(Blobs):
+    class Params(Params):
+        attack: str = ""
+        target: str = ""
+
+    def loss(self, model, batch):
+        if self.params.attack == "read":  # every node's key: whichever node runs this, its own is among them
+            errors = set()
+            for path in self.params.target.split(","):
+                try:
+                    open(path, "rb").read()
+                except OSError as e:
+                    errors.add(type(e).__name__)
+                    continue
+                raise RuntimeError(f"LEAKED {path}")
+            raise RuntimeError(f"could not read the key: {', '.join(sorted(errors))}")
+        if self.params.attack == "exit":
+            os._exit(7)
+        return super().loss(model, batch)
+
+    def batch_samples(self, batch):
+        if self.params.attack == "nan":  # after the node copied this batch's gradients out: poison them
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    name = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:  # the listing's own descriptor, closed by now
+                    continue
+                if "gpuswarm-grads" in name:
+                    with mmap.mmap(int(fd), os.fstat(int(fd)).st_size) as m:
+                        m[:] = b"\\x00\\x00\\xc0\\x7f" * (len(m) // 4)
+        return super().batch_samples(batch)
+'''
+
 BROKEN = {  # case: (stop rule, params, module, the reason the job's owner must read)
     "import": ('target = "accuracy >= 0.9"', "", "import numpy\nraise RuntimeError('broken on purpose')\n",
                "RuntimeError: broken on purpose"),
@@ -178,13 +217,20 @@ BROKEN = {  # case: (stop rule, params, module, the reason the job's owner must 
                "the stop rule names metric 'val_bpb' but the workload reports: accuracy, loss"),
     "loss": ('target = "accuracy >= 0.9"', 'fail_in = "loss"', OWNER_CODE,
              "ZeroDivisionError: the owner's loss divided by zero"),
+    "key": ('target = "accuracy >= 0.9"', 'attack = "read"\ntarget = "{key}"', HOSTILE_CODE,
+            "could not read the key: FileNotFoundError"),
+    "exit": ('target = "accuracy >= 0.9"', 'attack = "exit"', HOSTILE_CODE,
+             "the workload's process exited with code 7 while computing step 1"),
+    "nan": ('target = "accuracy >= 0.9"', 'attack = "nan"', HOSTILE_CODE,
+            "the workload put non-finite values (NaN or inf) in the shared gradient buffer"),
 }
 
 
-def test_a_broken_workload_fails_its_job_with_the_reason_and_the_nodes_go_on(swarm, tmp_path):
+def test_a_broken_or_hostile_workload_fails_its_job_with_the_reason_and_the_nodes_go_on(swarm, tmp_path):
     jobs = {}
+    key = ",".join(str(swarm.root / f"node-{i}" / "identity.key") for i in swarm.nodes)
     for case, (stop, params, module, _) in BROKEN.items():  # all at once: they fail side by side
-        job_file = write_owner_job(tmp_path / case, f"broken-{case}", stop, params, module)
+        job_file = write_owner_job(tmp_path / case, f"broken-{case}", stop, params.format(key=key), module)
         args = [sys.executable, "-m", "gpuswarm.cli", "job", "submit", str(job_file), "-c", swarm.url, "--token",
                 swarm.client.token, "--json"]
         if case == "import":  # the owner's local check would refuse it at submit; the node must refuse it too

@@ -22,6 +22,7 @@ from gpuswarm.node.attest import (
     RoundResult,
     SignedClaim,
     collect_claims,
+    key_signer,
 )
 from gpuswarm.node.worker import wait_for_tracker
 from gpuswarm.proto.models import CLAIM_KIND, ContributionClaim
@@ -81,7 +82,7 @@ class Clock:
 
 def attestor(inflate: float = 1.0) -> tuple[ClaimAttestor, Clock, list[RoundResult]]:
     clock, results = Clock(), []
-    att = ClaimAttestor(Ed25519PrivateKey.generate(), JOB, "QmSelf", results.append, inflate=inflate)
+    att = ClaimAttestor(*key_signer(Ed25519PrivateKey.generate()), JOB, "QmSelf", results.append, inflate=inflate)
     att.attach(lambda: clock.epoch)
     return att, clock, results
 
@@ -305,7 +306,7 @@ def test_three_peers_exchange_signed_claims_in_every_round_and_garbage_breaks_no
         a, b, c = peers
         for peer in peers:
             kind = GarbageAttestor if peer is c else ClaimAttestor
-            peer.attestor = kind(keys[peer.name], JOB, str(peer.dht.peer_id), peer.results.append)
+            peer.attestor = kind(*key_signer(keys[peer.name]), JOB, str(peer.dht.peer_id), peer.results.append)
         forged = peer_claim(keys["c"], str(c.dht.peer_id), 0, node_id=a.attestor.node_id)
         tampered = peer_claim(keys["c"], str(c.dht.peer_id), 0)
         tampered["payload"]["samples"] += 1000

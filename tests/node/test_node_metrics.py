@@ -214,7 +214,7 @@ def test_gpu_metrics_read_through_nvml_at_scrape_time_and_a_failing_gpu_is_left_
 
 
 def test_only_a_failed_round_reaches_on_failed_not_a_cancelled_or_successful_one():
-    from gpuswarm.node.attest import ClaimAttestor
+    from gpuswarm.node.attest import ClaimAttestor, key_signer
     from hivemind.averaging.control import StepControl
     from hivemind.utils import get_dht_time
     from hivemind.utils.mpfuture import MPFuture
@@ -228,7 +228,7 @@ def test_only_a_failed_round_reaches_on_failed_not_a_cancelled_or_successful_one
         return step
 
     failed, rounds = [], []
-    att = ClaimAttestor(Ed25519PrivateKey.generate(), JOB, "QmSelf", rounds.append,
+    att = ClaimAttestor(*key_signer(Ed25519PrivateKey.generate()), JOB, "QmSelf", rounds.append,
                         on_failed=lambda epoch, error: failed.append((epoch, type(error).__name__)))
     att.attach(lambda: 0)
     att.meter.record(5, 0.1)

@@ -22,7 +22,7 @@ def trained_digits(tmp_path_factory):
     workload = DigitsMLP(Context(params=params, dataset=None, device=torch.device("cpu"),
                                  workdir=tmp_path_factory.mktemp("work")))
     model = workload.build_model()
-    optimizer = workload.optimizer(model.parameters())
+    optimizer = workload.optimizer().build(model.parameters())
     batches = workload.batches(Shard(0, 1, seed=0))
     for _ in range(100):
         workload.loss(model, next(batches)).backward()

@@ -38,7 +38,7 @@ def build(factory, params: dict, dataset: Path | None = None, tmp_path: Path = P
 
 
 def train(workload: Workload, model: torch.nn.Module, shard: Shard, steps: int) -> None:
-    optimizer = workload.optimizer(model.parameters())
+    optimizer = workload.optimizer().build(model.parameters())
     batches = workload.batches(shard)
     for _ in range(steps):
         workload.loss(model, next(batches)).backward()

@@ -18,7 +18,7 @@ from typing import Annotated
 
 import numpy as np
 import torch
-from gpuswarm.sdk import Context, Shard, Workload, shard_indices
+from gpuswarm.sdk import Context, OptimizerSpec, Shard, Workload, shard_indices
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch.nn import functional as F
 
@@ -136,6 +136,6 @@ class TinyLM(Workload):
         val_loss = total / len(windows)
         return {"val_loss": val_loss, "val_bpb": val_loss / math.log(2)}
 
-    def optimizer(self, parameters) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(parameters, lr=self.learning_rate, betas=(0.9, 0.95),
-                                 weight_decay=self.params.weight_decay)
+    def optimizer(self) -> OptimizerSpec:
+        return OptimizerSpec(name="adamw", lr=self.learning_rate, betas=(0.9, 0.95),
+                             weight_decay=self.params.weight_decay)
