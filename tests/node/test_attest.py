@@ -372,13 +372,16 @@ def test_three_peers_exchange_signed_claims_in_every_round_and_garbage_breaks_no
         assert claimed == me.attestor.meter.claimed.samples > 0
         assert claimed + me.attestor.meter.unclaimed_samples == me.steps * BATCH
 
-    # Where both honest nodes were in a shared round of the same epoch, each holds the other's own signed claim.
+    # Where both honest nodes were in a shared round of the same epoch, each holds one of the other's own signed
+    # claims, exactly as the other signed it (under load the other may have been an epoch behind in that round).
     both = {r.epoch for r in a.results if not r.solo} & {r.epoch for r in b.results if not r.solo}
     assert len(both) >= ROUNDS_WANTED - 1, both
     for me, other in ((a, b), (b, a)):
         for r in me.results:
             if r.epoch in both:
-                assert own_claims[other.name][r.epoch] in r.claims[1:], f"{me.name} lacks {other.name}'s claim"
+                theirs = [claim for claim in r.claims[1:] if payload(claim).node_id == other.attestor.node_id]
+                assert theirs and all(claim in own_claims[other.name].values() for claim in theirs), \
+                    f"{me.name} lacks {other.name}'s claim"
     # The garbage sender trained on, and its own view of the rounds holds the honest nodes' claims.
     assert c.optimizer.local_epoch >= 1
     seen_by_c = [claim for r in c.results for claim in r.claims[1:]]
