@@ -11,6 +11,10 @@ lab's namespaces removes every link. Shaping (rate, delay, jitter, loss) applies
 link: tc on eth0 (what the node sends) and on vI (what it receives). Delay and loss need the netem qdisc; a
 rate-only shape uses tbf, which needs nothing more than the base kernel.
 
+These kernels have no netem, so delay, jitter, loss and partitions come from a userspace UDP relay in the hub
+(scripts/wanrelay.py, `NetLab.start_relay`): nodes whose WireGuard endpoints point at the relay's faces get a WAN
+between them, changeable while they run; tbf (rate only) still works on the links themselves.
+
 A lab tool, not product code: it shells out to `ip` and `tc`. Use it as a context manager (teardown runs even
 after a failure, including a failure half-way through building the lab), or from the shell:
 
@@ -152,6 +156,35 @@ def destroy(prefix: str | None = None, grace_s: float = 2.0) -> list[str]:
     return namespaces
 
 
+@dataclass
+class Relay:
+    """The lab's running WAN relay: `endpoint(i)` is node i's face; `set(...)` changes the WAN at once."""
+
+    proc: subprocess.Popen
+    control: str
+    address: str
+    base_port: int
+
+    def endpoint(self, i: int) -> str:
+        return f"{self.address}:{self.base_port + i}"
+
+    def set(self, **changes) -> dict:
+        """delay_ms, jitter_ms, loss_pct, rate_mbit (None: no cap), partition ([[0, 1], [2]]; [] heals)."""
+        import wanrelay
+
+        return wanrelay.control(self.control, changes)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc.stdout.close()
+
+
 class NetLab:
     """N namespaces on one bridge. `with NetLab(3) as lab: lab.exec(0, ["ping", "-c1", lab.addresses[1]])`."""
 
@@ -223,6 +256,28 @@ class NetLab:
                 if shaping.needs_netem and "unknown" in result.stderr.lower():
                     hint = " (this kernel has no netem qdisc: delay and loss are unavailable; rate alone uses tbf)"
                 raise LabError(f"tc on {ns}/{dev} failed: {result.stderr.strip()}{hint}")
+
+    def start_relay(self, node_port: int | list[int], *, base_port: int = 52000, **impairment) -> Relay:
+        """Start the WAN relay (scripts/wanrelay.py) in the hub, at the subnet's last address, with one face per
+        node: give node i `relay.endpoint(i)` as the endpoint its peers use. `node_port` is the UDP port each node's
+        WireGuard listens on (one for all, or one per node); `impairment` as wanrelay's control takes it."""
+        ports = node_port if isinstance(node_port, list) else [node_port] * len(self)
+        address = str(list(self.subnet.hosts())[-1])
+        self._ip(self.hub, "addr", "replace", f"{address}/{self.subnet.prefixlen}", "dev", "br0")
+        control = f"/run/{self.prefix}-relay.sock"
+        argv = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "wanrelay.py"), "run",
+                "--listen", address, "--base-port", str(base_port), "--control", control]
+        for node, port in zip(self.addresses, ports, strict=True):
+            argv += ["--node", f"{node}:{port}"]
+        proc = subprocess.Popen(["ip", "netns", "exec", self.hub, *argv], stdout=subprocess.PIPE, text=True)
+        line = proc.stdout.readline()
+        if '"ready"' not in line:
+            proc.kill()
+            raise LabError(f"the WAN relay did not start (exit {proc.wait(5)})")
+        relay = Relay(proc, control, address, base_port)
+        if impairment:
+            relay.set(**impairment)
+        return relay
 
     def down(self) -> None:
         destroy(self.prefix)

@@ -50,12 +50,13 @@ def pytest_collection_modifyitems(config, items):
 class MeshNode:
     """The test's handle on one mesh_node.py process inside a lab namespace."""
 
-    def __init__(self, lab: netlab.NetLab, index: int, keys: KeyPair, address: str):
+    def __init__(self, lab: netlab.NetLab, index: int, keys: KeyPair, address: str, endpoint: str | None = None):
         self.index = index
         self.keys = keys
         self.address = address  # mesh address
         self.underlay = lab.addresses[index]
         self.port = BASE_PORT + index
+        self._endpoint = endpoint  # where peers send to (the WAN relay's face for this node), if not its own
         self.proc = lab.popen(
             index,
             [sys.executable, str(HERE / "mesh_node.py")],
@@ -67,7 +68,7 @@ class MeshNode:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.underlay}:{self.port}"
+        return self._endpoint or f"{self.underlay}:{self.port}"
 
     def peer_spec(self, **overrides) -> dict:
         spec = {"public_key": self.keys.public_key, "allowed_ips": [f"{self.address}/32"], "endpoint": self.endpoint}
@@ -102,6 +103,7 @@ class MeshNode:
 class Mesh:
     lab: netlab.NetLab
     nodes: list[MeshNode]
+    relay: netlab.Relay | None = None
 
     def desired_for(self, i: int) -> list[dict]:
         return [n.peer_spec() for n in self.nodes if n.index != i]
@@ -119,13 +121,30 @@ def lab():
 
 @pytest.fixture(scope="module")
 def mesh(lab):
+    yield from _mesh(lab)
+
+
+@pytest.fixture(scope="module")
+def wan_mesh():
+    """A 3-node WireGuard mesh whose every packet crosses the WAN relay (scripts/wanrelay.py) in the hub."""
+    with netlab.NetLab(3) as lab:
+        relay = lab.start_relay([BASE_PORT + i for i in range(3)])
+        try:
+            for mesh in _mesh(lab, relay):
+                mesh.relay = relay
+                yield mesh
+        finally:
+            relay.stop()
+
+
+def _mesh(lab, relay=None):
     state = ipam.new_state(MESH_CIDR)
     nodes: list[MeshNode] = []
     try:
         for i in range(len(lab)):
             keys = KeyPair.generate()
             state, address = ipam.allocate(state, keys.public_key, now=time.time())
-            nodes.append(MeshNode(lab, i, keys, address))
+            nodes.append(MeshNode(lab, i, keys, address, relay.endpoint(i) if relay else None))
         for node in nodes:
             node.ok("up", address=node.address, cidr=MESH_CIDR, listen_port=node.port,
                     private_key=node.keys.private_key)
