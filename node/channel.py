@@ -16,6 +16,7 @@ import mmap
 import os
 import socket
 import struct
+import time
 
 from gpuswarm.proto.trainer import MAX_MESSAGE
 
@@ -28,11 +29,13 @@ class ChannelClosed(ConnectionError):
 
 
 class Channel:
-    """One end of the socket. `recv` raises TimeoutError after `timeout` seconds, ChannelClosed on EOF or on a
-    frame that is too big or not JSON; both sides treat either as the end of the session."""
+    """One end of the socket. `recv` raises TimeoutError when a whole message has not come within `timeout`
+    seconds (one deadline for the message, however it is dripped), ChannelClosed on EOF or on a frame that is too
+    big or not JSON; `send` raises TimeoutError when the other side stops reading for `send_timeout` seconds. Both
+    sides treat any of these as the end of the session."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
+    def __init__(self, sock: socket.socket, send_timeout: float | None = None):
+        self.sock, self.send_timeout = sock, send_timeout
 
     @classmethod
     def from_fd(cls, fd: int) -> Channel:
@@ -43,30 +46,37 @@ class Channel:
         if len(data) > MAX_MESSAGE:
             raise ValueError(f"message of {len(data)} bytes is over the {MAX_MESSAGE}-byte limit")
         frame = _LENGTH.pack(len(data)) + data
-        self.sock.settimeout(None)
+        self.sock.settimeout(self.send_timeout)
         if fds:
             socket.send_fds(self.sock, [frame], list(fds))
         else:
             self.sock.sendall(frame)
 
     def recv(self, timeout: float | None = None, max_fds: int = 0) -> tuple[dict, list[int]]:
-        self.sock.settimeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         fds: list[int] = []
-        header = self._exact(_LENGTH.size, fds, max_fds)
+        header = self._exact(_LENGTH.size, fds, max_fds, deadline)
         (size,) = _LENGTH.unpack(header)
         if size > MAX_MESSAGE:
             raise ChannelClosed(f"a message of {size} bytes is over the {MAX_MESSAGE}-byte limit")
         try:
-            message = json.loads(self._exact(size, fds, 0))
-        except ValueError as e:
-            raise ChannelClosed(f"a message that is not JSON: {e}") from None
+            message = json.loads(self._exact(size, fds, 0, deadline))
+        except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+            raise ChannelClosed(f"a message that is not JSON: {str(e)[:200]}") from None
         if not isinstance(message, dict):
             raise ChannelClosed("a message that is not a JSON object")
         return message, fds
 
-    def _exact(self, n: int, fds: list[int], max_fds: int) -> bytes:
+    def _exact(self, n: int, fds: list[int], max_fds: int, deadline: float | None) -> bytes:
         chunks, got = [], 0
         while got < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no whole message before the deadline")
+                self.sock.settimeout(left)
+            else:
+                self.sock.settimeout(None)
             if max_fds and not fds:
                 data, new_fds, _, _ = socket.recv_fds(self.sock, n - got, max_fds)
                 fds.extend(new_fds)

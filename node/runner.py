@@ -65,8 +65,7 @@ class JobRunner:
                  gpu_count: int = 0, settings: Settings = Settings(), max_hours: float | None = None):
         self.jobs_dir, self.host, self.on_event, self.signer = jobs_dir, host, on_event, signer
         # How jobs' code runs. The node's whole state dir (keys, database, cache, other jobs) is hidden from it.
-        self.settings = Settings(settings.sandboxed, settings.limits, settings.answer_timeout,
-                                 settings.hide + (jobs_dir.parent,))
+        self.settings = dataclasses.replace(settings, hide=settings.hide + (jobs_dir.parent,))
         self.max_hours = max_hours
         # The GPUs this node advertised, numbered as the daemon's CUDA_VISIBLE_DEVICES lists them (if it is set).
         self.visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]

@@ -167,7 +167,7 @@ class Trainer:
 
     def __init__(self, chan: Channel, start: dict):
         import torch
-        from gpuswarm.node.workloads.saved import load_checkpoint
+        from gpuswarm.node.workloads.saved import checkpoint_model_state, load_checkpoint
         from gpuswarm.proto.models import JobSpec
 
         self.chan = chan
@@ -180,7 +180,7 @@ class Trainer:
                                                     self.workdir)
         model = self.workload.build_model()
         if path("checkpoint") is not None:
-            model.load_state_dict(load_checkpoint(path("checkpoint"))["model"])
+            model.load_state_dict(checkpoint_model_state(load_checkpoint(path("checkpoint"))))
         self.model = model.to(self.device)
         self.named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.offsets, total = [], 0

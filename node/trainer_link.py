@@ -17,8 +17,10 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -34,7 +36,6 @@ from pydantic import ValidationError
 logger = logging.getLogger(__name__)
 
 LOG_LIMIT = 16 * 2**20  # bytes of the trainer's own output kept in the worker's log
-INSIDE_WORK = "/job/work"
 
 
 class TrainerFailed(RuntimeError):
@@ -129,7 +130,10 @@ class TrainerLink:
     def start(self, spec: dict, inputs: Inputs, gpus: list[str], threads: int, nice: int) -> Hello:
         """Launch the trainer, have it build the workload, and map the shared buffers. The trainer's initial
         parameters are then in `self.params`."""
-        self.box.mkdir(parents=True, exist_ok=True)
+        # A fresh box: what an earlier run of this assignment left there belongs to another uid, and must not be
+        # found by this run (a planted module, say).
+        shutil.rmtree(self.box, ignore_errors=True)
+        self.box.mkdir(parents=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv = [sys.executable, "-B", "-m", "gpuswarm.node.trainer", "--channel-fd", str(theirs.fileno())]
         start = {"spec": spec, "threads": threads, "nice": nice}
@@ -151,14 +155,17 @@ class TrainerLink:
             if uid is not None:
                 argv += ["--uid", str(uid)]
             env = {"GPUSWARM_PARENT_PID": "0", "OMP_NUM_THREADS": str(threads)}
-            if os.environ.get("PYTHONPATH"):  # an install found through it (its directories are bound read-only)
-                env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+            # An install found through PYTHONPATH (its directories are bound read-only). Only absolute entries: an
+            # empty or relative one would put the workdir on sys.path while the trainer is still root.
+            path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+            if path:
+                env["PYTHONPATH"] = os.pathsep.join(path)
             # A cgroup v2 group with the limits where the node has one (removed, and its processes killed, on
             # close); the rlimits `sandbox.enter` sets inside apply either way.
             self.cgroup = self._resources.enter_context(sandbox.sandbox_cgroup(self.settings.limits))
             command = sandbox.command(argv, workdir=self.box, readonly=readonly, hide=list(self.settings.hide),
                                       gpus=gpus, limits=self.settings.limits, uid=uid, env=env, cgroup=self.cgroup)
-            start["workdir"] = INSIDE_WORK
+            start["workdir"] = sandbox.WORKDIR
         else:
             command = argv
             start.update({k: str(v) for k, v in asdict(inputs).items() if v is not None}, workdir=str(self.box))
@@ -170,7 +177,7 @@ class TrainerLink:
         self._pump = threading.Thread(target=_pump, args=(self.proc.stdout.fileno(), LOG_LIMIT, self.output),
                                       name="trainer-log", daemon=True)
         self._pump.start()
-        self.chan = Channel(ours)
+        self.chan = Channel(ours, send_timeout=self.settings.answer_timeout)
         self.chan.send(start)
         # Building the workload may load a dataset and compile: it gets twice the answer timeout.
         hello = self._answer("hello", 2 * self.settings.answer_timeout, "building the workload")
@@ -188,6 +195,10 @@ class TrainerLink:
         """Send one request and return its validated answer (of kind `expect`); TrainerFailed otherwise."""
         try:
             self.chan.send({"op": op, **fields})
+        except TimeoutError:
+            self.kill()
+            raise TrainerFailed(f"the workload's process stopped reading its requests while {what}; it was "
+                                f"stopped") from None
         except OSError:
             raise TrainerFailed(self._exit_reason(what)) from None
         return self._answer(expect, self.settings.answer_timeout, what)
@@ -247,9 +258,46 @@ class TrainerLink:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(10)
 
+    def take_file(self, name: str, limit: int, dest: Path | None = None) -> bytes | None:
+        """A file the trainer wrote in its workdir, read without trusting it: a symlink, FIFO or device there is
+        refused, never followed, and at most `limit` bytes are read. Copied to `dest` (a new file of this process)
+        when given, else returned; the trainer's file is removed either way."""
+        path = self.box / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            raise TrainerFailed(f"the workload's {name} cannot be opened: {e.strerror}") from None
+        out = None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise TrainerFailed(f"the workload's {name} is not a regular file")
+            if info.st_size > limit:
+                raise TrainerFailed(f"the workload's {name} is {info.st_size} bytes, over the limit of {limit}")
+            if dest is not None:
+                dest.unlink(missing_ok=True)
+                out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            chunks, taken = [], 0
+            while chunk := os.read(fd, 1 << 20):
+                taken += len(chunk)
+                if taken > limit:
+                    raise TrainerFailed(f"the workload's {name} grew over the limit of {limit} bytes")
+                if out is None:
+                    chunks.append(chunk)
+                else:
+                    os.write(out, chunk)
+        finally:
+            os.close(fd)
+            if out is not None:
+                os.close(out)
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return None if dest is not None else b"".join(chunks)
+
     def close(self, timeout: float = 10.0) -> None:
         """Ask the trainer to stop, then make sure it has: bounded, whatever state it is in."""
         if self.chan is not None:
+            self.chan.send_timeout = 1.0
             with contextlib.suppress(OSError):
                 self.chan.send({"op": "stop"})
         if self.proc is not None:

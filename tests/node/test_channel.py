@@ -76,6 +76,46 @@ def test_oversized_broken_and_closed_frames(pair):
         ours.recv(timeout=5)
 
 
+def test_a_dripped_message_still_meets_one_deadline(pair):
+    import threading
+    import time
+
+    ours, theirs = pair
+
+    def drip():
+        theirs.sock.sendall(struct.pack(">I", 100))
+        for _ in range(20):
+            time.sleep(0.1)
+            try:
+                theirs.sock.sendall(b" ")
+            except OSError:
+                return
+
+    threading.Thread(target=drip, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        ours.recv(timeout=0.5)
+    assert time.monotonic() - started < 1.5
+
+
+def test_a_peer_that_stops_reading_times_the_sender_out():
+    a, b = socket.socketpair()
+    ours = Channel(a, send_timeout=0.3)
+    with pytest.raises(TimeoutError):
+        for _ in range(100_000):  # the socket buffer fills; b never reads
+            ours.send({"op": "step", "pad": "x" * 1000})
+    a.close()
+    b.close()
+
+
+def test_deeply_nested_json_is_a_broken_frame(pair):
+    ours, theirs = pair
+    data = b"[" * 5000 + b"]" * 5000
+    theirs.sock.sendall(struct.pack(">I", len(data)) + data)
+    with pytest.raises(ChannelClosed, match="not JSON"):
+        ours.recv(timeout=5)
+
+
 @pytest.mark.parametrize("bad", [
     {"kind": "step", "samples": 0, "seconds": 1.0, "loss": 0.5, "position": {"index": 0, "count": 1, "seed": 0,
                                                                             "batches": 1}},

@@ -155,6 +155,22 @@ def test_nan_written_into_the_shared_gradient_buffer_is_refused(node):
         link.close()
 
 
+@pytest.mark.parametrize("target", ["{state}/identity.key", "fifo"])
+def test_files_the_workload_writes_are_never_followed_out_of_its_workdir(node, target):
+    state, code, _ = node
+    link = run_attack(state, code, "symlink", target.format(state=state))
+    try:
+        link.request("save_state", "saved", "saving", version=0, name="state.pt")
+        with pytest.raises(TrainerFailed, match="cannot be opened|not a regular file"):
+            link.take_file("state.pt", 2**20)
+        link.request("save_model", "saved", "saving", version=0, name="model.pt", metrics={}, metadata={})
+        with pytest.raises(TrainerFailed, match="cannot be opened|not a regular file"):
+            link.take_file("model.pt", 2**20, dest=state / "jobs" / "model.pt")
+        assert not (state / "jobs" / "model.pt").exists()
+    finally:
+        link.close()
+
+
 def test_a_benign_step_trades_gradients_and_parameters_through_shared_memory(node):
     import torch
 

@@ -1,0 +1,182 @@
+"""All-reduce benchmark: hivemind's averaging round (what the product runs between nodes) against
+torch.distributed gloo and against the link floor, over a real WireGuard mesh in network namespaces.
+
+Each network: N namespaces on the lab's bridge, every link rate-capped with tbf, every WireGuard packet crossing
+the lab's WAN relay (scripts/wanrelay.py) with half the RTT of delay each way, and one peer process per namespace
+(scripts/bench/allreduce_peer.py: the product's userspace WireGuard backend and reconciler, a hivemind DHT on the
+mesh address). In the same run, iperf3 measures the bandwidth between two peers over the mesh; the floor of an
+all-reduce of B bytes among N peers is 2 (N - 1) / N * B * 8 / bandwidth (what each peer must send and receive).
+
+Times are from the trigger to each peer's result, the slowest peer's, median of the rounds: hivemind's group is
+formed first (matchmaking is not the all-reduce), gloo's group is formed once.
+
+Run as root: scripts/bench/run allreduce [--quick] [--json] [--mbytes 100] [--rounds 2]. --quick: 2 peers at
+100 Mbit/s, 16 MB, in under 5 minutes. Prints a table (or one JSON object per case) and appends the table to
+docs/benchmarks.md unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import netlab  # noqa: E402
+from gpuswarm.mesh.keys import KeyPair  # noqa: E402
+
+PEER = Path(__file__).with_name("allreduce_peer.py")
+WG_PORT = 51820
+MESH = "10.88.0"
+COMPRESSIONS = ("none", "fp16", "8bit")
+
+
+class Peer:
+    def __init__(self, lab: netlab.NetLab, index: int):
+        self.index, self.keys, self.address = index, KeyPair.generate(), f"{MESH}.{index + 1}"
+        self.proc = lab.popen(index, [sys.executable, str(PEER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, bufsize=1)
+
+    def send(self, op: str, **args) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer {self.index} exited ({self.proc.wait(5)})")
+        reply = json.loads(line)
+        if not reply.pop("ok"):
+            raise RuntimeError(f"peer {self.index}: {reply['error']}")
+        return reply
+
+    def call(self, op: str, **args) -> dict:
+        self.send(op, **args)
+        return self.answer()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def all_do(peers: list[Peer], op: str, per_peer=lambda p: {}) -> list[dict]:
+    """The same order to every peer at once (a round needs them all), then every answer."""
+    for p in peers:
+        p.send(op, **per_peer(p))
+    return [p.answer() for p in peers]
+
+
+def iperf_mbit(lab: netlab.NetLab, server: Peer, client: Peer, seconds: int = 4) -> float:
+    srv = lab.popen(server.index, ["iperf3", "-s", "-1", "-B", server.address], stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        out = lab.exec(client.index, ["iperf3", "-c", server.address, "-t", str(seconds), "-J"],
+                       timeout=seconds + 30).stdout
+        return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e6
+    finally:
+        srv.kill()
+        srv.wait(5)
+
+
+def network(n: int, rate_mbit: float, rtt_ms: float, numel: int, rounds: int, compressions) -> list[dict]:
+    cases = []
+    shaping = netlab.Shaping(rate_mbit=rate_mbit)
+    with netlab.NetLab(n, shaping=shaping) as lab:
+        relay = lab.start_relay(WG_PORT, delay_ms=rtt_ms / 2)
+        peers = [Peer(lab, i) for i in range(n)]
+        try:
+            for p in peers:
+                p.call("up", address=p.address, cidr=f"{MESH}.0/24", listen_port=WG_PORT,
+                       private_key=p.keys.private_key)
+            for p in peers:
+                p.call("peers", peers=[{"public_key": q.keys.public_key, "allowed_ips": [f"{q.address}/32"],
+                                        "endpoint": relay.endpoint(q.index)} for q in peers if q is not p])
+            for p in peers[1:]:
+                if not any(lab.ping(0, p.address, wait_s=1.0) for _ in range(5)):
+                    raise RuntimeError(f"no mesh path from peer 0 to peer {p.index}")
+            bandwidth = iperf_mbit(lab, peers[1], peers[0])
+            first = peers[0].call("dht", host=peers[0].address, initial_peers=[])["maddrs"]
+            all_do(peers[1:], "dht", lambda p: {"host": p.address, "initial_peers": first})
+            floor = 2 * (n - 1) / n * numel * 4 * 8 / (bandwidth * 1e6)
+            gloo = []
+            for _ in range(rounds):
+                all_do(peers, "prepare", lambda p: {"kind": "gloo", "numel": numel, "rank": p.index, "world": n,
+                                                    "master": peers[0].address})
+                gloo.append(max(a["seconds"] for a in all_do(peers, "run")))
+            for comp in compressions:
+                times = []
+                order = {"kind": "hivemind", "numel": numel, "compression": comp, "group": n, "prefix": f"bench-{comp}"}
+                for _ in range(rounds):
+                    all_do(peers, "prepare", lambda p, order=order: order)
+                    times.append(max(a["seconds"] for a in all_do(peers, "run")))
+                all_do(peers, "close")
+                seconds = statistics.median(times)
+                cases.append({"peers": n, "bytes": numel * 4, "rate_mbit": rate_mbit, "rtt_ms": rtt_ms,
+                              "compression": comp, "seconds": round(seconds, 3),
+                              "gloo_seconds": round(statistics.median(gloo), 3), "floor_seconds": round(floor, 3),
+                              "floor_ratio": round(floor / seconds, 3), "iperf_mbit": round(bandwidth, 1)})
+                print(json.dumps(cases[-1]), file=sys.stderr, flush=True)
+        finally:
+            for p in peers:
+                p.stop()
+            relay.stop()
+    return cases
+
+
+def table(cases: list[dict], quick: bool) -> str:
+    lines = [f"## allreduce ({time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 cores, wireguard-go in namespaces, "
+             f"tbf rate caps, the WAN relay's delay{', --quick' if quick else ''})", "",
+             "| peers | MB | cap Mbit/s | iperf3 Mbit/s | RTT ms | compression | hivemind s | gloo s | floor s | "
+             "floor / hivemind | gloo / hivemind |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        lines.append(f"| {c['peers']} | {c['bytes'] / 1e6:.0f} | {c['rate_mbit']:g} | {c['iperf_mbit']:.0f} | "
+                     f"{c['rtt_ms']:g} | {c['compression']} | {c['seconds']:.2f} | {c['gloo_seconds']:.2f} | "
+                     f"{c['floor_seconds']:.2f} | {c['floor_ratio']:.2f} | {c['gloo_seconds'] / c['seconds']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="2 peers, 100 Mbit/s, 16 MB: under 5 minutes")
+    parser.add_argument("--json", action="store_true", help="one JSON object per case on stdout")
+    parser.add_argument("--mbytes", type=float, help="tensor size in MB (default 100; 16 with --quick)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rtt", type=float, default=20.0, help="round-trip time the relay adds, ms")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    reason = netlab.unavailable_reason()
+    if reason:
+        print(f"allreduce: {reason}", file=sys.stderr)
+        return 1
+    mbytes = args.mbytes or (16 if args.quick else 100)
+    numel = int(mbytes * 1e6 / 4)
+    networks = [(2, 100.0)] if args.quick else [(2, 100.0), (2, 1000.0), (4, 100.0), (4, 1000.0)]
+    cases = []
+    for n, rate in networks:
+        cases += network(n, rate, args.rtt, numel, args.rounds, COMPRESSIONS)
+    if args.json:
+        for c in cases:
+            print(json.dumps(c))
+    text = table(cases, args.quick)
+    if not args.json:
+        print(text)
+    if not args.no_write:
+        with open(ROOT / "docs" / "benchmarks.md", "a") as f:
+            f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
