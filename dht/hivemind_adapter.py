@@ -21,6 +21,11 @@ What is used, and why:
   group bits and keep them) and state-download (`<prefix>.all_averagers`) keys. A DHT cannot list its keys, so
   `gpuswarm dht ls` must name them.
 
+- `hivemind.compression.serialization._BASE_COMPRESSION_TYPES` (`fix_8bit_codecs`): the codec a received tensor is
+  decoded with, by compression type. hivemind 1.1.12's 8-bit codecs read their codebook size with `int()` of a
+  one-element array, which NumPy 2.x refuses (TypeError): every 8-bit round then ends with half its parts missing
+  ("Reducer: received 50.0% of input tensors"). The fix registers the same codecs with that one read corrected.
+
 Every function that takes `node` runs inside the DHT's own process (`DHT.run_coroutine`), where `node` is its
 DHTNode. This module imports hivemind lazily, so importing it costs nothing; it must not grow anything that is
 reachable through hivemind's public API (`hivemind.DHT`, `DHTNode.get`, `DHTNode.p2p`, record validators).
@@ -125,3 +130,27 @@ def _dhtid(key: str):
     from hivemind.dht.routing import DHTID
 
     return DHTID.generate(source=key)
+
+
+def fix_8bit_codecs() -> None:
+    """Make hivemind's 8-bit compressions (uniform and quantile) decode under NumPy 2.x; idempotent. Call it in
+    every process that averages with them (the codec a peer decodes with is its own registry's)."""
+    import numpy as np
+    import torch
+    from hivemind.compression import serialization
+    from hivemind.compression.quantization import Quantile8BitQuantization, Uniform8BitQuantization
+
+    def extract(self, serialized_tensor):
+        buffer = serialized_tensor.buffer
+        codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+        quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+        codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+        return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+    for name, base in (("UNIFORM_8BIT", Uniform8BitQuantization), ("QUANTILE_8BIT", Quantile8BitQuantization)):
+        if getattr(type(serialization._BASE_COMPRESSION_TYPES[name]), "_gpuswarm_fixed", False):
+            continue
+        fixed = type(base.__name__, (base,), {"extract": extract, "_gpuswarm_fixed": True})
+        serialization._BASE_COMPRESSION_TYPES[name] = fixed()

@@ -260,7 +260,9 @@ class NetLab:
     def start_relay(self, node_port: int | list[int], *, base_port: int = 52000, **impairment) -> Relay:
         """Start the WAN relay (scripts/wanrelay.py) in the hub, at the subnet's last address, with one face per
         node: give node i `relay.endpoint(i)` as the endpoint its peers use. `node_port` is the UDP port each node's
-        WireGuard listens on (one for all, or one per node); `impairment` as wanrelay's control takes it."""
+        WireGuard listens on (one for all, or one per node); `impairment` as wanrelay's control takes it. Add delay
+        after the mesh's first handshakes: two peers that both start one over a delayed path answer each other's
+        initiations, drop each other's responses, and retry in lockstep."""
         ports = node_port if isinstance(node_port, list) else [node_port] * len(self)
         address = str(list(self.subnet.hosts())[-1])
         self._ip(self.hub, "addr", "replace", f"{address}/{self.subnet.prefixlen}", "dev", "br0")

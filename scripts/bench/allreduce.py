@@ -77,6 +77,16 @@ def all_do(peers: list[Peer], op: str, per_peer=lambda p: {}) -> list[dict]:
     return [p.answer() for p in peers]
 
 
+def timed_round(peers: list[Peer], tolerance: float = 1e-3) -> tuple[float, bool]:
+    """(the slowest peer's seconds, whether every peer ended with the same tensor: a whole round). Each peer keeps
+    its own reduced part uncompressed, so compressed rounds agree only to the codec's rounding; a lost part moves
+    the sum by about half."""
+    answers = all_do(peers, "run")
+    sums = [a["checksum"] for a in answers]
+    whole = max(sums) - min(sums) <= tolerance * max(1.0, max(abs(v) for v in sums))
+    return max(a["seconds"] for a in answers), whole
+
+
 def iperf_mbit(lab: netlab.NetLab, server: Peer, client: Peer, seconds: int = 4) -> float:
     srv = lab.popen(server.index, ["iperf3", "-s", "-1", "-B", server.address], stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL)
@@ -94,7 +104,7 @@ def network(n: int, rate_mbit: float, rtt_ms: float, numel: int, rounds: int, co
     cases = []
     shaping = netlab.Shaping(rate_mbit=rate_mbit)
     with netlab.NetLab(n, shaping=shaping) as lab:
-        relay = lab.start_relay(WG_PORT, delay_ms=rtt_ms / 2)
+        relay = lab.start_relay(WG_PORT)
         peers = [Peer(lab, i) for i in range(n)]
         try:
             for p in peers:
@@ -106,6 +116,9 @@ def network(n: int, rate_mbit: float, rtt_ms: float, numel: int, rounds: int, co
             for p in peers[1:]:
                 if not any(lab.ping(0, p.address, wait_s=1.0) for _ in range(5)):
                     raise RuntimeError(f"no mesh path from peer 0 to peer {p.index}")
+            # The WAN's delay only once the handshakes are done: two peers that start their handshakes at the same
+            # moment over a delayed path each drop the other's answer, and retry in lockstep.
+            relay.set(delay_ms=rtt_ms / 2)
             bandwidth = iperf_mbit(lab, peers[1], peers[0])
             first = peers[0].call("dht", host=peers[0].address, initial_peers=[])["maddrs"]
             all_do(peers[1:], "dht", lambda p: {"host": p.address, "initial_peers": first})
@@ -114,19 +127,22 @@ def network(n: int, rate_mbit: float, rtt_ms: float, numel: int, rounds: int, co
             for _ in range(rounds):
                 all_do(peers, "prepare", lambda p: {"kind": "gloo", "numel": numel, "rank": p.index, "world": n,
                                                     "master": peers[0].address})
-                gloo.append(max(a["seconds"] for a in all_do(peers, "run")))
+                gloo.append(timed_round(peers)[0])
             for comp in compressions:
-                times = []
+                times, whole = [], True
                 order = {"kind": "hivemind", "numel": numel, "compression": comp, "group": n, "prefix": f"bench-{comp}"}
                 for _ in range(rounds):
                     all_do(peers, "prepare", lambda p, order=order: order)
-                    times.append(max(a["seconds"] for a in all_do(peers, "run")))
+                    seconds, complete = timed_round(peers, 1e-3 if comp == "none" else 5e-2)
+                    times.append(seconds)
+                    whole = whole and complete
                 all_do(peers, "close")
                 seconds = statistics.median(times)
                 cases.append({"peers": n, "bytes": numel * 4, "rate_mbit": rate_mbit, "rtt_ms": rtt_ms,
                               "compression": comp, "seconds": round(seconds, 3),
                               "gloo_seconds": round(statistics.median(gloo), 3), "floor_seconds": round(floor, 3),
-                              "floor_ratio": round(floor / seconds, 3), "iperf_mbit": round(bandwidth, 1)})
+                              "floor_ratio": round(floor / seconds, 3), "iperf_mbit": round(bandwidth, 1),
+                              "whole_rounds": whole})
                 print(json.dumps(cases[-1]), file=sys.stderr, flush=True)
         finally:
             for p in peers:
@@ -139,11 +155,12 @@ def table(cases: list[dict], quick: bool) -> str:
     lines = [f"## allreduce ({time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 cores, wireguard-go in namespaces, "
              f"tbf rate caps, the WAN relay's delay{', --quick' if quick else ''})", "",
              "| peers | MB | cap Mbit/s | iperf3 Mbit/s | RTT ms | compression | hivemind s | gloo s | floor s | "
-             "floor / hivemind | gloo / hivemind |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "floor / hivemind | gloo / hivemind | whole rounds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         lines.append(f"| {c['peers']} | {c['bytes'] / 1e6:.0f} | {c['rate_mbit']:g} | {c['iperf_mbit']:.0f} | "
                      f"{c['rtt_ms']:g} | {c['compression']} | {c['seconds']:.2f} | {c['gloo_seconds']:.2f} | "
-                     f"{c['floor_seconds']:.2f} | {c['floor_ratio']:.2f} | {c['gloo_seconds'] / c['seconds']:.2f}x |")
+                     f"{c['floor_seconds']:.2f} | {c['floor_ratio']:.2f} | {c['gloo_seconds'] / c['seconds']:.2f}x | "
+                     f"{'yes' if c['whole_rounds'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -51,10 +51,12 @@ def handle(msg: dict) -> dict:
         state["dht"] = dht
         return {"maddrs": [str(m) for m in dht.get_visible_maddrs()]}
     if op == "prepare" and msg["kind"] == "hivemind":
+        from gpuswarm.dht.hivemind_adapter import fix_8bit_codecs
         from hivemind.averaging import DecentralizedAverager
         from hivemind.averaging.control import AveragingStage
         from hivemind.utils import get_dht_time
 
+        fix_8bit_codecs()  # the 8-bit codecs of hivemind 1.1.12 do not decode under NumPy 2 without it
         averager = state.get("averager")
         if averager is None or state.get("averager_key") != (msg["numel"], msg["compression"], msg["prefix"]):
             if averager is not None:
@@ -92,11 +94,17 @@ def handle(msg: dict) -> dict:
             control.allow_allreduce()
             if control.result(600) is None:
                 raise RuntimeError("the round failed")
+            seconds = time.perf_counter() - t0
+            with state["averager"].get_tensors() as tensors:
+                checksum = float(tensors[0].double().sum())
         else:
             import torch.distributed as dist
 
             dist.all_reduce(state["tensor"])
-        return {"seconds": time.perf_counter() - t0}
+            seconds = time.perf_counter() - t0
+            checksum = float(state["tensor"].double().sum())
+        # Every peer holds the same result after a whole round; a round that lost parts leaves them different.
+        return {"seconds": seconds, "checksum": checksum}
     if op == "close":
         if state.get("averager") is not None:
             state.pop("averager").shutdown()

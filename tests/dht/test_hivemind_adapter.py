@@ -169,3 +169,17 @@ def test_run_key_suffixes_are_the_keys_a_real_optimizer_uses():
         if opt is not None:
             opt.shutdown()
         dht.shutdown()
+
+
+def test_8bit_codecs_decode_after_the_fix():
+    import torch
+    from gpuswarm.dht.hivemind_adapter import fix_8bit_codecs
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+
+    tensor = torch.randn(4096)
+    fix_8bit_codecs()
+    fix_8bit_codecs()  # idempotent
+    for kind in (runtime_pb2.CompressionType.UNIFORM_8BIT, runtime_pb2.CompressionType.QUANTILE_8BIT):
+        restored = deserialize_torch_tensor(serialize_torch_tensor(tensor, kind))
+        assert restored.shape == tensor.shape and float((restored - tensor).abs().mean()) < 0.05  # unit variance
