@@ -25,14 +25,20 @@ What is used, and why:
   decoded with, by compression type. hivemind 1.1.12's 8-bit codecs read their codebook size with `int()` of a
   one-element array, which NumPy 2.x refuses (TypeError): every 8-bit round then ends with half its parts missing
   ("Reducer: received 50.0% of input tensors"). The fix registers the same codecs with that one read corrected.
+- `DecentralizedAverager`'s keyword arguments (`averager_options`) and hivemind's compressions
+  (`averager_compression`): the settings every averaging round of gpuswarm runs with, in one place
+  (docs/decisions/0018-allreduce-where-the-time-goes.md says what was measured and why these values).
 
 Every function that takes `node` runs inside the DHT's own process (`DHT.run_coroutine`), where `node` is its
 DHTNode. This module imports hivemind lazily, so importing it costs nothing; it must not grow anything that is
-reachable through hivemind's public API (`hivemind.DHT`, `DHTNode.get`, `DHTNode.p2p`, record validators).
+reachable through hivemind's public API (`hivemind.DHT`, `DHTNode.get`, `DHTNode.p2p`, record validators). The
+one exception is the averaging settings: they are tied to the 8-bit fix and to this version's defaults, so they
+live beside them.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +47,14 @@ PINNED_VERSION = "1.1.12"
 HIVEMIND_RUN_KEY_SUFFIXES = ("_progress", "_grad_averager.0b", "_state_averager.0b", "_grad_averager.all_averagers",
                              "_state_averager.all_averagers")
 OWNER_RE = re.compile(rb"\[owner:(.+?)\]")  # RSASignatureValidator.PUBLIC_KEY_FORMAT, b"[owner:_key_]"
+# hivemind's own default (averaging/partition.py DEFAULT_PART_SIZE_BYTES), pinned: 128 KiB, 2 MiB and 8 MiB parts
+# measured the same as 512 KiB to within the lab's noise (decision 0018), so an upgrade that moves the default
+# should not move ours unnoticed.
+AVERAGING_PART_SIZE_BYTES = 2**19
+AVERAGING_COMPRESSIONS = ("none", "fp16", "8bit")
+# Tensors smaller than this are averaged in fp16 under "8bit": a 256-entry codebook (1 KiB) and 8-bit rounding
+# buy nothing on a bias or a norm's scale. hivemind's own examples use the same split.
+EIGHT_BIT_MIN_NUMEL = 2**16
 
 
 def key_id(key: str) -> bytes:
@@ -154,3 +168,40 @@ def fix_8bit_codecs() -> None:
             continue
         fixed = type(base.__name__, (base,), {"extract": extract, "_gpuswarm_fixed": True})
         serialization._BASE_COMPRESSION_TYPES[name] = fixed()
+
+
+def averager_options(bandwidth_mbit: float | None = None) -> dict[str, Any]:
+    """Keyword arguments for hivemind's averagers: `DecentralizedAverager(..., **averager_options())`, or
+    `hivemind.Optimizer(averager_opts={**averager_options(), ...})`, which passes them to its gradient and state
+    averagers. Compression is not among them (the Optimizer takes it as `grad_compression=` and
+    `state_averaging_compression=`; see `averager_compression`).
+
+    `bandwidth_mbit`, this node's measured link speed, is declared to the group: hivemind gives each peer a share of
+    the vector to reduce in proportion to the bandwidths declared, so a slow link reduces less (every peer declaring
+    None means equal shares). Raises ValueError for a negative or non-finite bandwidth (hivemind asserts instead).
+    """
+    options: dict[str, Any] = {"part_size_bytes": AVERAGING_PART_SIZE_BYTES}
+    if bandwidth_mbit is not None:
+        if not isinstance(bandwidth_mbit, int | float) or not math.isfinite(bandwidth_mbit) or bandwidth_mbit < 0:
+            raise ValueError(f"bandwidth_mbit must be a finite number >= 0, not {bandwidth_mbit!r}")
+        options["bandwidth"] = float(bandwidth_mbit)
+    return options
+
+
+def averager_compression(name: str):
+    """The hivemind compression for averaging rounds, by name: "none", "fp16" (half the bytes, no codec cost worth
+    measuring) or "8bit" (uniform 8-bit for tensors of `EIGHT_BIT_MIN_NUMEL` elements or more, fp16 below: a
+    quarter of the bytes). "8bit" installs `fix_8bit_codecs` in this process first; every peer of the round must
+    have it (the codec a part is decoded with is the receiver's), which holds for peers that get their
+    compression here."""
+    from hivemind.compression import Float16Compression, NoCompression, SizeAdaptiveCompression, Uniform8BitQuantization
+
+    if name == "none":
+        return NoCompression()
+    if name == "fp16":
+        return Float16Compression()
+    if name == "8bit":
+        fix_8bit_codecs()
+        return SizeAdaptiveCompression(EIGHT_BIT_MIN_NUMEL, less=Float16Compression(),
+                                       greater_equal=Uniform8BitQuantization())
+    raise ValueError(f"unknown averaging compression {name!r}; one of {', '.join(AVERAGING_COMPRESSIONS)}")

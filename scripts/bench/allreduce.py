@@ -10,9 +10,12 @@ all-reduce of B bytes among N peers is 2 (N - 1) / N * B * 8 / bandwidth (what e
 Times are from the trigger to each peer's result, the slowest peer's, median of the rounds: hivemind's group is
 formed first (matchmaking is not the all-reduce), gloo's group is formed once.
 
+The averagers run with the product's settings (gpuswarm.dht.hivemind_adapter.averager_options and
+averager_compression; decision 0018).
+
 Run as root: scripts/bench/run allreduce [--quick] [--json] [--mbytes 100] [--rounds 2]. --quick: 2 peers at
-100 Mbit/s, 16 MB, in under 5 minutes. Prints a table (or one JSON object per case) and appends the table to
-docs/benchmarks.md unless --no-write.
+100 Mbit/s, 16 MB, in under 5 minutes. Prints a table (or one JSON object per case) and, unless --no-write, appends
+the table to docs/benchmarks.md with a chart of it (docs/img/allreduce.png, or allreduce-quick.png).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import charts  # noqa: E402  (scripts/bench, beside this file)
 import netlab  # noqa: E402
 from gpuswarm.mesh.keys import KeyPair  # noqa: E402
 
@@ -164,6 +168,22 @@ def table(cases: list[dict], quick: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def chart(cases: list[dict], quick: bool) -> str:
+    """Seconds per round for each network: hivemind by compression, gloo and the link floor beside them. Returns the
+    Markdown image line for under the table."""
+    networks = list(dict.fromkeys((c["peers"], c["rate_mbit"]) for c in cases))
+    by = {(c["peers"], c["rate_mbit"], c["compression"]): c for c in cases}
+    first = {net: next(c for c in cases if (c["peers"], c["rate_mbit"]) == net) for net in networks}
+    series = {f"hivemind {comp}": [by[(*net, comp)]["seconds"] if (*net, comp) in by else 0.0 for net in networks]
+              for comp in COMPRESSIONS if any((*net, comp) in by for net in networks)}
+    series["gloo"] = [first[net]["gloo_seconds"] for net in networks]
+    series["link floor"] = [first[net]["floor_seconds"] for net in networks]
+    mbytes = cases[0]["bytes"] / 1e6
+    return charts.bars("allreduce-quick" if quick else "allreduce",
+                       f"All-reduce of {mbytes:.0f} MB over WireGuard, {cases[0]['rtt_ms']:g} ms RTT (lower is better)",
+                       [f"{n} peers, {rate:g} Mbit/s" for n, rate in networks], series, "seconds per round")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="2 peers, 100 Mbit/s, 16 MB: under 5 minutes")
@@ -191,7 +211,7 @@ def main() -> int:
         print(text)
     if not args.no_write:
         with open(ROOT / "docs" / "benchmarks.md", "a") as f:
-            f.write("\n" + text)
+            f.write("\n" + text + "\n" + chart(cases, args.quick) + "\n")
     return 0
 
 

@@ -5,9 +5,11 @@ told to. One JSON object per line on stdin, one answer per line on stdout ({"ok"
 "error": ...}):
 - up {address, cidr, listen_port, private_key}; peers {peers: [{public_key, allowed_ips, endpoint}]}
 - dht {host, initial_peers}: a hivemind DHT on the mesh address; answers its multiaddrs
-- prepare {kind: "hivemind", numel, compression, group, prefix} | {kind: "gloo", numel, rank, world, master}:
-  builds the averager (or the gloo group) and, for hivemind, forms the group of `group` peers, stopping just
-  before the all-reduce; answers when ready
+- prepare {kind: "hivemind", numel, compression, group, prefix, [options]} | {kind: "gloo", numel, rank, world,
+  master}: builds the averager (or the gloo group) and, for hivemind, forms the group of `group` peers, stopping
+  just before the all-reduce; answers when ready. The averager runs with the product's settings
+  (`gpuswarm.dht.hivemind_adapter.averager_options` and `averager_compression`); `options` overrides some of
+  them, to measure another setting beside them
 - run: does the all-reduce (hivemind: triggers the round formed by prepare; gloo: one all_reduce) and answers
   its seconds, from the trigger to this peer's result
 - close: drops the averager or the gloo group
@@ -25,12 +27,6 @@ from gpuswarm.mesh.backend import PeerConfig, UserspaceBackend
 from gpuswarm.mesh.reconciler import MeshAgent
 
 state: dict = {}
-
-
-def compression(name: str):
-    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
-
-    return {"none": NoCompression(), "fp16": Float16Compression(), "8bit": Uniform8BitQuantization()}[name]
 
 
 def handle(msg: dict) -> dict:
@@ -51,21 +47,22 @@ def handle(msg: dict) -> dict:
         state["dht"] = dht
         return {"maddrs": [str(m) for m in dht.get_visible_maddrs()]}
     if op == "prepare" and msg["kind"] == "hivemind":
-        from gpuswarm.dht.hivemind_adapter import fix_8bit_codecs
+        from gpuswarm.dht.hivemind_adapter import averager_compression, averager_options
         from hivemind.averaging import DecentralizedAverager
         from hivemind.averaging.control import AveragingStage
         from hivemind.utils import get_dht_time
 
-        fix_8bit_codecs()  # the 8-bit codecs of hivemind 1.1.12 do not decode under NumPy 2 without it
         averager = state.get("averager")
-        if averager is None or state.get("averager_key") != (msg["numel"], msg["compression"], msg["prefix"]):
+        options = {**averager_options(), **msg.get("options", {})}
+        key = (msg["numel"], msg["compression"], msg["prefix"], json.dumps(options, sort_keys=True))
+        if averager is None or state.get("averager_key") != key:
             if averager is not None:
                 averager.shutdown()
             averager = DecentralizedAverager(
                 averaged_tensors=[torch.randn(msg["numel"])], dht=state["dht"], prefix=msg["prefix"],
                 target_group_size=msg["group"], min_group_size=msg["group"], min_matchmaking_time=2.0,
-                request_timeout=5.0, compression=compression(msg["compression"]), start=True)
-            state["averager"], state["averager_key"] = averager, (msg["numel"], msg["compression"], msg["prefix"])
+                request_timeout=1.0, compression=averager_compression(msg["compression"]), start=True, **options)
+            state["averager"], state["averager_key"] = averager, key
         control = averager.step(wait=False, require_trigger=True, scheduled_time=get_dht_time() + 3.0,
                                 timeout=600, allow_retries=False)
         deadline = time.monotonic() + 120

@@ -183,3 +183,86 @@ def test_8bit_codecs_decode_after_the_fix():
     for kind in (runtime_pb2.CompressionType.UNIFORM_8BIT, runtime_pb2.CompressionType.QUANTILE_8BIT):
         restored = deserialize_torch_tensor(serialize_torch_tensor(tensor, kind))
         assert restored.shape == tensor.shape and float((restored - tensor).abs().mean()) < 0.05  # unit variance
+
+
+def test_averager_options_are_keywords_hiveminds_averagers_take():
+    import inspect
+
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+
+    accepted = inspect.signature(DecentralizedAverager.__init__).parameters
+    for options in (adapter.averager_options(), adapter.averager_options(bandwidth_mbit=90)):
+        assert set(options) <= set(accepted) and "compression" not in options  # the Optimizer passes compression
+    assert adapter.averager_options() == {"part_size_bytes": DEFAULT_PART_SIZE_BYTES}
+    assert adapter.averager_options(bandwidth_mbit=90)["bandwidth"] == 90.0
+    for bad in (-1.0, float("nan"), float("inf"), "90"):
+        with pytest.raises(ValueError):
+            adapter.averager_options(bandwidth_mbit=bad)
+
+
+def test_averager_compression_by_name():
+    import torch
+    from hivemind.compression import (
+        CompressionInfo,
+        Float16Compression,
+        NoCompression,
+        deserialize_torch_tensor,
+        serialization,
+    )
+    from hivemind.proto import runtime_pb2
+
+    assert isinstance(adapter.averager_compression("none"), NoCompression)
+    assert isinstance(adapter.averager_compression("fp16"), Float16Compression)
+    with pytest.raises(ValueError):
+        adapter.averager_compression("4bit")
+    eight = adapter.averager_compression("8bit")
+    assert getattr(type(serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"]), "_gpuswarm_fixed", False)
+    big, small = torch.randn(adapter.EIGHT_BIT_MIN_NUMEL), torch.randn(adapter.EIGHT_BIT_MIN_NUMEL - 1)
+    sent_big = eight.compress(big, CompressionInfo.from_tensor(big))
+    sent_small = eight.compress(small, CompressionInfo.from_tensor(small))
+    assert sent_big.compression == runtime_pb2.UNIFORM_8BIT and sent_small.compression == runtime_pb2.FLOAT16
+    assert float((deserialize_torch_tensor(sent_big) - big).abs().mean()) < 0.05  # unit variance
+
+
+@pytest.mark.timeout(120)
+def test_a_round_with_the_averager_settings_is_whole():
+    """Two local averagers with the product's settings and 8-bit compression end a round with the same tensor."""
+    import threading
+
+    import torch
+    from hivemind.averaging import DecentralizedAverager
+
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                          initial_peers=[str(m) for m in first.get_visible_maddrs()])
+    generator = torch.Generator().manual_seed(0)
+    inputs = [[torch.randn(300_000, generator=generator), torch.randn(10, generator=generator)] for _ in range(2)]
+    expected = [(a + b) / 2 for a, b in zip(*inputs, strict=True)]
+    averagers, results = [], {}
+    try:
+        for dht, tensors in zip((first, second), inputs, strict=True):
+            averagers.append(DecentralizedAverager(
+                [t.clone() for t in tensors], dht, prefix="gpuswarm_test_opts", target_group_size=2, min_group_size=2,
+                min_matchmaking_time=2.0, request_timeout=1.0, start=True,
+                compression=adapter.averager_compression("8bit"), **adapter.averager_options(bandwidth_mbit=100)))
+
+        def step(i):
+            results[i] = averagers[i].step(timeout=60)
+
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert results.get(0) is not None and results.get(1) is not None
+        for averager in averagers:
+            with averager.get_tensors() as (large, tiny):
+                # Unit-variance inputs: 8-bit rounding moves an element by ~0.02 on average, fp16 by ~1e-3.
+                assert float((large - expected[0]).abs().mean()) < 0.05
+                assert torch.allclose(tiny, expected[1], atol=1e-2)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()
