@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,7 @@ from gpuswarm.coordinator.config import CoordinatorConfig
 from gpuswarm.coordinator.db import AssignmentRow, Job, JobEvent, JobProgress, Node, SeenNonce
 from gpuswarm.coordinator.errors import ApiError
 from gpuswarm.proto.models import AssignmentState, Heartbeat, JobState, NodeState, Progress
-from sqlalchemy import select
+from sqlalchemy import Update, bindparam, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -117,38 +118,102 @@ class HeartbeatBatcher:
                 p.future.set_result(result)
 
 
+@dataclass(slots=True)
+class _NodeRow:
+    """The columns of a node that heartbeats read or write, and the names of those a heartbeat changed."""
+
+    id: str
+    public_key: str
+    revoked: bool
+    online: bool
+    last_seen: float
+    online_seconds: float
+    state: str
+    mesh_address: str | None
+    next_challenge_at: float | None
+    peer_rtt_ms: dict | None = None
+    changed: set[str] = field(default_factory=set)
+
+
+# The batch's statements, built once (building a statement costs more than running it from the compiled cache).
+_NODES, _ASSIGNMENTS = Node.__table__, AssignmentRow.__table__
+_SELECT_NODES = select(*(_NODES.c[name] for name in (
+    "id", "public_key", "revoked", "online", "last_seen", "online_seconds", "state", "mesh_address",
+    "next_challenge_at"))).where(_NODES.c.id.in_(bindparam("ids", expanding=True)))
+_SELECT_SEEN = select(SeenNonce.__table__.c.nonce).where(
+    SeenNonce.__table__.c.nonce.in_(bindparam("nonces", expanding=True)))
+_SELECT_ACTIVE = select(_ASSIGNMENTS.c.id, _ASSIGNMENTS.c.node_id, _ASSIGNMENTS.c.job_id).where(
+    _ASSIGNMENTS.c.node_id.in_(bindparam("ids", expanding=True)),
+    _ASSIGNMENTS.c.state == AssignmentState.ACTIVE.value)
+_INSERT_NONCES = insert(SeenNonce.__table__)
+_UPDATE_NODES: dict[tuple[str, ...], Update] = {}  # by the columns it sets
+
+
 async def apply_heartbeats(session: AsyncSession, items: list[NodeMessage[Heartbeat]],
                            config: CoordinatorConfig, now: float) -> list[Outcome | ApiError]:
-    node_ids = {m.node_id for m in items}
-    nodes = {n.id: n for n in (await session.scalars(select(Node).where(Node.id.in_(node_ids)))).all()}
-    nonces = [m.envelope.nonce for m in items]
-    seen = set((await session.scalars(select(SeenNonce.nonce).where(SeenNonce.nonce.in_(nonces)))).all())
-    active: dict[str, dict[str, AssignmentRow]] = {}
+    """Apply a batch of verified heartbeats in the caller's transaction; one result per heartbeat, in order.
+
+    The per-heartbeat writes of every heartbeat (the node's columns, the nonce) are plain Core statements, one
+    executemany each for the whole batch, and the reads are three column SELECTs: the ORM's unit of work cost more
+    than all the rest of a heartbeat. Progress, failures and going offline, which few heartbeats carry, go through
+    the ORM as every other job change does."""
+    node_ids = list({m.node_id for m in items})
+    nodes = {r[0]: _NodeRow(*r) for r in (await session.execute(_SELECT_NODES, {"ids": node_ids})).all()}
+    seen = set((await session.scalars(_SELECT_SEEN, {"nonces": [m.envelope.nonce for m in items]})).all())
+    active: dict[str, dict[str, int]] = {}  # node -> job -> its active assignment's id
+    for assignment_id, node_id, job_id in (await session.execute(_SELECT_ACTIVE, {"ids": node_ids})).all():
+        active.setdefault(node_id, {})[job_id] = assignment_id
     points: set[tuple[str, int]] = set()  # (job, step) known to have its point, so one batch looks each up once
-    for a in (await session.scalars(select(AssignmentRow).where(
-            AssignmentRow.node_id.in_(node_ids), AssignmentRow.state == AssignmentState.ACTIVE.value))).all():
-        active.setdefault(a.node_id, {})[a.job_id] = a
     results: list[Outcome | ApiError] = []
+    fresh_nonces: list[dict] = []
     for message in items:
         node = nodes.get(message.node_id)
         if (refusal := node_refusal(message, node, nonce_seen=message.envelope.nonce in seen)) is not None:
             results.append(refusal)
         else:
             seen.add(message.envelope.nonce)
-            session.add(SeenNonce(nonce=message.envelope.nonce, expires_at=message.nonce_expires_at))
+            fresh_nonces.append({"nonce": message.envelope.nonce, "expires_at": message.nonce_expires_at})
             results.append(await _apply_one(session, node, message.payload, active.setdefault(node.id, {}), config,
                                             now, points))
+    if fresh_nonces:
+        await session.execute(_INSERT_NONCES, fresh_nonces)
+    await _write_nodes(session, nodes.values())
     return results
 
 
-async def _apply_one(session: AsyncSession, node: Node, hb: Heartbeat, active: dict[str, AssignmentRow],
+async def _write_nodes(session: AsyncSession, nodes: Iterable[_NodeRow]) -> None:
+    """One executemany per set of changed columns (usually one set: last_seen and online_seconds). Only changed
+    columns are written, as the ORM would: a concurrent writer's change to another column stays."""
+    by_columns: dict[tuple[str, ...], list[dict]] = {}
+    for node in nodes:
+        if node.changed:
+            columns = tuple(sorted(node.changed))
+            by_columns.setdefault(columns, []).append(
+                {"node_id": node.id, **{f"new_{c}": getattr(node, c) for c in columns}})
+    for columns, rows in by_columns.items():
+        if (statement := _UPDATE_NODES.get(columns)) is None:
+            statement = _UPDATE_NODES[columns] = update(_NODES).where(_NODES.c.id == bindparam("node_id")).values(
+                {c: bindparam(f"new_{c}") for c in columns})
+        await session.execute(statement, rows)
+
+
+def _set(node: _NodeRow, column: str, value: object) -> None:
+    if getattr(node, column) != value:
+        setattr(node, column, value)
+        node.changed.add(column)
+
+
+async def _apply_one(session: AsyncSession, node: _NodeRow, hb: Heartbeat, active: dict[str, int],
                      config: CoordinatorConfig, now: float, points: set[tuple[str, int]]) -> Outcome:
     was_online = node.online
     if was_online and now - node.last_seen <= config.node_timeout:
-        node.online_seconds += now - node.last_seen  # uptime counts only gaps shorter than the timeout
+        _set(node, "online_seconds", node.online_seconds + now - node.last_seen)  # only gaps under the timeout
     if hb.peer_rtt_ms:
         node.peer_rtt_ms = dict(hb.peer_rtt_ms)
-    node.last_seen, node.state, node.online = now, hb.state.value, hb.state is not NodeState.OFFLINE
+        node.changed.add("peer_rtt_ms")
+    _set(node, "last_seen", now)
+    _set(node, "state", hb.state.value)
+    _set(node, "online", hb.state is not NodeState.OFFLINE)
     outcome = Outcome(membership_changed=node.mesh_address is not None and was_online != node.online,
                       wake=bool(hb.failures) or hb.state is NodeState.OFFLINE)
     for p in hb.progress:
@@ -163,9 +228,10 @@ async def _apply_one(session: AsyncSession, node: Node, hb: Heartbeat, active: d
             job.metrics = dict(p.metrics) or None
             await _record_point(session, job.id, p, now, advanced, points)
     for f in hb.failures:
-        assignment = active.pop(f.job_id, None)  # pop: one failure per assignment, however often it is listed
-        if assignment is None:
+        assignment_id = active.pop(f.job_id, None)  # pop: one failure per assignment, however often it is listed
+        if assignment_id is None:
             continue
+        assignment = await session.get(AssignmentRow, assignment_id)
         assignment.state, assignment.ended_at = AssignmentState.FAILED.value, now
         assignment.reason = f.reason[-2000:]
         job = await session.get(Job, f.job_id)

@@ -63,12 +63,16 @@ nodes it looks at, instead of O(jobs x nodes). scripts/bench/market.py measures 
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import statistics
 from bisect import bisect_right
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 
 from gpuswarm.proto.models import JobSpec, JobState, Requirements, Resources
 
@@ -223,13 +227,20 @@ class _Room:
 class _Group:
     """Nodes of one capability, best `node_score` first, with a `_Room` per number of GPUs that jobs ask for."""
 
-    __slots__ = ("order", "asks", "by_ask", "rooms", "is_cpu", "verified", "models", "min_memory", "custom_code")
+    __slots__ = ("order", "asks", "by_ask", "rooms", "is_cpu", "verified", "models", "min_memory", "custom_code",
+                 "head")
 
-    def __init__(self, key: tuple, members: list[int], base: list[float], ask: list[float]):
+    def __init__(self, key: tuple, members: list[int], base: list[float], ask: list[float], plain: bool = False):
+        """`members` in ascending order; `plain`: no NaN in `base` and `ask`, so one-float keys sort the same."""
         self.is_cpu, self.verified, self.models, self.min_memory, self.custom_code = key
-        self.order = sorted(members, key=lambda i: (-base[i], i))  # i is the node's rank by id
-        self.by_ask = sorted(members, key=lambda i: (ask[i], i))
+        if plain:  # stable sorts: equal scores (asks) stay in ascending i
+            self.order = sorted(members, key=base.__getitem__, reverse=True)
+            self.by_ask = sorted(members, key=ask.__getitem__)
+        else:
+            self.order = sorted(members, key=lambda i: (-base[i], i))  # i is the node's rank by id
+            self.by_ask = sorted(members, key=lambda i: (ask[i], i))
         self.asks = [ask[i] for i in self.by_ask]
+        self.head = -base[self.order[0]]  # minus the best score in the group, room or not
         self.rooms: dict[int, _Room] = {}
 
     def serves(self, allow_cpu_slot: bool, min_memory: float, allowed: frozenset[str] | None,
@@ -256,20 +267,44 @@ def _capability(node: NodeView) -> tuple:
             custom)
 
 
+def _free_gpus(node: NodeView) -> int:
+    """`node.capacity - node.gpus_in_use`, without the property calls (once per node and pass, 100,000 nodes)."""
+    gpus = node.resources.gpus
+    if not gpus:
+        return 1 - node.gpus_in_use
+    return ((gpus[0].count if len(gpus) == 1 else sum(g.count for g in gpus)) or 1) - node.gpus_in_use
+
+
 def match(jobs: Iterable[JobView], nodes: Sequence[NodeView], now: float, *, liveness: float) -> list[Match]:
+    # A pass allocates a few hundred thousand small objects and makes no reference cycles; with the collector on,
+    # those allocations set off full collections over the caller's whole heap (at 100,000 node views, up to half a
+    # second each). Reference counting frees everything the pass drops, so the collector waits until it returns.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _match(jobs, nodes, now, liveness)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _match(jobs: Iterable[JobView], nodes: Sequence[NodeView], now: float, liveness: float) -> list[Match]:
     open_jobs = sorted((j for j in jobs if j.state in OPEN_STATES and j.funded), key=job_priority)
-    if not open_jobs:
-        return []
-    market = _Market(nodes, now, liveness, open_jobs)
-    out: list[Match] = []
+    wanting: list[tuple[JobView, list[int], int, int]] = []  # (job, spare shards, want, need), in priority order
     for job in open_jobs:
         spec = job.spec
         current = max(len(job.members), len(job.active_shards))
         spare = [s for s in range(spec.max_nodes) if s not in job.active_shards]
         want = min(spec.max_nodes - current, len(spare))
-        if want <= 0:
-            continue
-        need = max(spec.min_nodes - current, 1) if job.state == JobState.PENDING else 1
+        if want > 0:
+            need = max(spec.min_nodes - current, 1) if job.state == JobState.PENDING else 1
+            wanting.append((job, spare, want, need))
+    if not wanting:
+        return []
+    market = _Market(nodes, now, liveness, [job for job, *_ in wanting])
+    out: list[Match] = []
+    for job, spare, want, need in wanting:
+        spec = job.spec
         found = market.best(job, want, need)
         if len(found) < need:
             continue  # a pending job below min_nodes holds nothing (backfill)
@@ -282,35 +317,74 @@ def match(jobs: Iterable[JobView], nodes: Sequence[NodeView], now: float, *, liv
 class _Market:
     """One pass's view of the nodes with capacity left, indexed by their rank by id (which breaks score ties)."""
 
-    def __init__(self, nodes: Sequence[NodeView], now: float, liveness: float, open_jobs: list[JobView]):
+    def __init__(self, nodes: Sequence[NodeView], now: float, liveness: float, wanting: list[JobView]):
         live = [n for n in nodes if now - n.last_seen <= liveness]
         median = median_throughput(live)
-        self.nodes_by_id = {n.id: n for n in nodes}
-        self.cand = cand = sorted((n for n in live if n.capacity - n.gpus_in_use > 0), key=lambda n: n.id)
-        self.ids = [n.id for n in cand]
-        self.index_of = {nid: i for i, nid in enumerate(self.ids)}
-        self.free = [n.capacity - n.gpus_in_use for n in cand]
-        self.ask = [n.price_per_gpu_hour for n in cand]
-        self.base = [node_score(n, median) for n in cand]
+        # One loop over the live nodes, in the caller's order (the order they lie in memory: at 100,000 nodes,
+        # visiting them by id costs cache misses), then every list put in id order at once. Most nodes have one
+        # kind of GPU: the same capability key as _capability's, without building a set per node.
+        found: list[NodeView] = []
+        free: list[int] = []
+        keys: list[tuple] = []
+        one_model: dict[str, frozenset[str]] = {}
+        for n in live:
+            resources = n.resources
+            gpus = resources.gpus
+            if len(gpus) == 1:
+                gpu = gpus[0]
+                if (room := (gpu.count or 1) - n.gpus_in_use) <= 0:
+                    continue
+                if (models := one_model.get(gpu.model)) is None:
+                    models = one_model[gpu.model] = frozenset((gpu.model.casefold(),))
+                keys.append((False, n.verified, models, gpu.memory_gb, resources.custom_code))
+            else:
+                if (room := _free_gpus(n)) <= 0:
+                    continue
+                keys.append(_capability(n))
+            found.append(n)
+            free.append(room)
+        ids = [n.id for n in found]
+        asks = [n.price_per_gpu_hour for n in found]
+        scores = [node_score(n, median) for n in found]
+        by_id = sorted(range(len(found)), key=ids.__getitem__)  # ids are unique: no ties
+        rank = [0] * len(found)  # rank[j]: the index of found[j] in id order
+        for i, j in enumerate(by_id):
+            rank[j] = i
+        self.ids = ids = [ids[j] for j in by_id]
+        self.free = [free[j] for j in by_id]
+        self.cand = cand = [found[j] for j in by_id]
+        self.ask = ask = [asks[j] for j in by_id]
+        self.base = base = [scores[j] for j in by_id]
+        self.index_of = dict(zip(ids, range(len(ids)), strict=True))
         by_capability: dict[tuple, list[int]] = {}
-        for i, n in enumerate(cand):
-            by_capability.setdefault(_capability(n), []).append(i)
-        self.groups = [_Group(key, idx, self.base, self.ask) for key, idx in by_capability.items()]
-        self.group_of = [0] * len(cand)
-        self.position = [0] * len(cand)
+        for i, j in enumerate(by_id):
+            if (members := by_capability.get(keys[j])) is None:
+                by_capability[keys[j]] = [i]
+            else:
+                members.append(i)
+        # A stable sort by one float keeps equal keys in index (id) order: the (key, id) order without tuples. NaN
+        # breaks that equivalence (it compares false both ways), so a market with one sorts by the tuples.
+        self.plain = plain = not any(map(math.isnan, base)) and not any(map(math.isnan, ask))
+        self.neg = [-x for x in base]  # candidates rank by (-score, i): best first, ties to the smaller id
+        self.groups = [_Group(key, idx, base, ask, plain) for key, idx in by_capability.items()]
+        self.group_of = group_of = [0] * len(cand)
+        self.position = position = [0] * len(cand)
+        self.group_number = {id(grp): g for g, grp in enumerate(self.groups)}
         for g, grp in enumerate(self.groups):
             for pos, i in enumerate(grp.order):
-                self.group_of[i], self.position[i] = g, pos
+                group_of[i] = g
+                position[i] = pos
         self.serving: dict[tuple, tuple[list[_Group], frozenset[int]]] = {}
-        # Who measured an RTT to a member of some job: (candidate, ms) by member id. Only candidates in here (or in
-        # a member's own map) can have an RTT term; every other candidate's term is 0.
-        wanted = set().union(*(j.members for j in open_jobs))
-        self.measured_to: dict[str, list[tuple[int, float]]] = {}
+        # Who measured an RTT to a member of a job that wants nodes, by member id. Only the candidates in here or in
+        # a member's own map can have an RTT term; every other candidate's term is 0.
+        wanted = set().union(*(j.members for j in wanting))
+        self.members_by_id = {n.id: n for n in nodes if n.id in wanted} if wanted else {}
+        self.measured_to: defaultdict[str, list[int]] = defaultdict(list)
         if wanted:
-            for i, n in enumerate(cand):
-                if n.rtt_ms:
-                    for m in n.rtt_ms.keys() & wanted:
-                        self.measured_to.setdefault(m, []).append((i, n.rtt_ms[m]))
+            measured_to = self.measured_to
+            for j, n in enumerate(found):
+                for m in n.rtt_ms.keys() & wanted:
+                    measured_to[m].append(rank[j])
 
     def take(self, i: int, gpus: int) -> None:
         before = self.free[i]
@@ -329,75 +403,120 @@ class _Market:
         allow_cpu_slot = req.allow_cpu and gpus == 1 and req.min_gpu_memory_gb == 0 and allowed is None
         key = (allow_cpu_slot, req.min_gpu_memory_gb, allowed, req.verified_only, spec.custom_code)
         if (serving := self.serving.get(key)) is None:
-            numbers = [g for g, grp in enumerate(self.groups) if grp.serves(*key)]
-            serving = self.serving[key] = ([self.groups[g] for g in numbers], frozenset(numbers))
+            groups = [grp for grp in self.groups if grp.serves(*key)]
+            if self.plain:
+                groups.sort(key=attrgetter("head"))  # the group with the best node first (see below)
+            serving = self.serving[key] = (groups, frozenset(self.group_number[id(grp)] for grp in groups))
         groups, group_numbers = serving
         if sum(grp.room(gpus, self.free).count for grp in groups) < need:
             return []  # not enough nodes with room, whatever their price
         bid = math.inf if spec.max_price_per_gpu_hour is None else spec.max_price_per_gpu_hour
-        found: list[tuple[float, int]] = []
+        found: list[tuple[float, int]] = []  # (-score, i): ascending is best first
+        # Candidates with a known RTT to a member (`near`) score apart; the walks take every other candidate at its
+        # base score. Once `want` candidates are found, the worst of them is a floor: a node scoring below it cannot
+        # be among the best (one scoring the same still can, with a smaller id). Each group is sorted by score and
+        # the groups by their best node, so the walks stop at the floor, and the first group whose best is below
+        # it ends them all. (NaN scores compare false both ways: a market with one is walked whole.)
         skip = {i for m in job.members if (i := self.index_of.get(m)) is not None}
+        near: set[int] = set()
         if job.members:
-            # Candidates with an RTT term are scored apart; all others score their base, in the groups' order.
-            free, ask, base, group_of = self.free, self.ask, self.base, self.group_of
-            for i, bonus in self._rtt_bonuses(job.members).items():
-                if (i not in skip and group_of[i] in group_numbers and free[i] >= gpus and ask[i] <= bid):
-                    found.append((base[i] + bonus, i))
-                skip.add(i)
+            index_get = self.index_of.get
+            heard: list[Iterable[int | None]] = []
+            for m in job.members:
+                if (member := self.members_by_id.get(m)) is not None and member.rtt_ms:
+                    heard.append(map(index_get, member.rtt_ms))  # None: not a candidate
+                if (measured := self.measured_to.get(m)) is not None:
+                    heard.append(measured)
+            near = set().union(*heard)
+            near.discard(None)
+            near -= skip
+            skip |= near
+        floor = math.inf
         for grp in groups:
-            found += self._walk(grp, want, gpus, bid, skip)
-        found.sort(key=lambda item: (-item[0], item[1]))
-        return [i for _, i in found[:want]]
+            if grp.head > floor:
+                break
+            if got := self._walk(grp, want, gpus, bid, skip, floor):
+                found += got
+                found.sort()
+                del found[want:]
+                if len(found) == want and self.plain:
+                    floor = found[-1][0]
+        if near:
+            # The RTT term adds at most MAX_RTT_BONUS: a near candidate whose base is further than that below the
+            # floor cannot reach it, and only the others need their mean RTT.
+            # The tests run in C (map and compress: no bytecode per candidate), one list after another; only the
+            # candidates that pass them all cost a mean RTT.
+            able = list(near)
+            for values, test in ((self.group_of, group_numbers.__contains__), (self.free, gpus.__le__),
+                                 (self.ask, float(bid).__ge__)):
+                able = list(compress(able, map(test, map(values.__getitem__, able))))
+            if self.plain:
+                reach = floor + MAX_RTT_BONUS + 1e-9  # the slack: rounding never leaves out one that reaches it
+                able = compress(able, map(reach.__ge__, map(self.neg.__getitem__, able)))
+            if able := set(able):
+                base = self.base
+                for i, mean in self._mean_rtts(job.members, able).items():
+                    found.append((-(base[i] + rtt_bonus(mean)), i))
+            found.sort()
+            del found[want:]
+        return [i for _, i in found]
 
-    def _rtt_bonuses(self, members: frozenset[str]) -> dict[int, float]:
-        """The RTT term of every candidate with a known RTT to a member, as `rtt_bonus(mean_rtt_ms(...))`.
-
-        Sums run over the members in the same order as `mean_rtt_ms`, so the floats are the same."""
-        sums: dict[int, float] = {}
-        counts: dict[int, int] = {}
-        cand, index_of = self.cand, self.index_of
+    def _mean_rtts(self, members: frozenset[str], able: set[int]) -> dict[int, float | None]:
+        """`mean_rtt_ms` of each candidate in `able` (by index) to `members`: the same floats, since each
+        candidate's sum runs over the members in the same order, but member by member, which looks only at the
+        measurements that exist instead of at every pair."""
+        sums: dict[int, list] = {}
+        cand, ids, index_get = self.cand, self.ids, self.index_of.get
         for m in members:
-            for i, rtt in self.measured_to.get(m, ()):  # the candidate's own measurement comes first
-                if rtt >= 0:
-                    sums[i] = sums.get(i, 0.0) + rtt
-                    counts[i] = counts.get(i, 0) + 1
-            member = self.nodes_by_id.get(m)
-            if member is not None and member.rtt_ms:
-                for nid, rtt in member.rtt_ms.items():
-                    i = index_of.get(nid)
-                    if i is not None and m not in cand[i].rtt_ms and rtt >= 0:
-                        sums[i] = sums.get(i, 0.0) + rtt
-                        counts[i] = counts.get(i, 0) + 1
-        return {i: rtt_bonus(total / counts[i]) for i, total in sums.items()}
+            own = able.intersection(self.measured_to.get(m, ()))  # the candidate's own measurement comes first
+            pairs = [(i, cand[i].rtt_ms[m]) for i in own]
+            if (member := self.members_by_id.get(m)) is not None and member.rtt_ms:
+                theirs = able.intersection(map(index_get, member.rtt_ms))
+                theirs -= own
+                pairs += [(i, member.rtt_ms[ids[i]]) for i in theirs]
+            for i, rtt in pairs:
+                if rtt >= 0:  # NaN and negative values count as unknown
+                    if (acc := sums.get(i)) is None:
+                        sums[i] = [rtt, 1]
+                    else:
+                        acc[0] += rtt
+                        acc[1] += 1
+        return {i: (sums[i][0] / sums[i][1] if i in sums else None) for i in able}
 
-    def _walk(self, grp: _Group, want: int, gpus: int, bid: float, skip: set[int]) -> list[tuple[float, int]]:
-        """The group's first `want` candidates in score order that have room, are within the bid and not skipped."""
+    def _walk(self, grp: _Group, want: int, gpus: int, bid: float, skip: set[int],
+              floor: float) -> list[tuple[float, int]]:
+        """The group's first `want` candidates in score order that have room, are within the bid and not skipped,
+        as (-score, i), none of them with -score above `floor`."""
         order, size = grp.order, len(grp.order)
         within_bid = size if bid == math.inf else bisect_right(grp.asks, bid)
         room = grp.room(gpus, self.free)
         if within_bid == 0 or room.count == 0:
             return []
-        free, ask, base = self.free, self.ask, self.base
+        ask, neg = self.ask, self.neg
         # Walking in score order wastes steps on nodes above the bid; past `within_bid` steps, scanning the nodes
         # within the bid (sorted by ask) is cheaper, and the walk switches to it.
         budget = within_bid if within_bid < size else size + 1
         steps = 0
         got: list[tuple[float, int]] = []
+        parent = room.parent
         j = room.next(0)
         while j < size:
             i = order[j]
+            if neg[i] > floor:
+                return got
             if ask[i] <= bid and i not in skip:
-                got.append((base[i], i))
+                got.append((neg[i], i))
                 if len(got) == want:
                     return got
             steps += 1
             if steps > budget:
-                return _scan_within_bid(grp, within_bid, want, gpus, skip, free, base)
-            j = room.next(j + 1)
+                return _scan_within_bid(grp, within_bid, want, gpus, skip, self.free, neg)
+            j += 1
+            if parent[j] != j:  # most positions have room: look the next one up only past one that has not
+                j = room.next(j)
         return got
 
 
 def _scan_within_bid(grp: _Group, within_bid: int, want: int, gpus: int, skip: set[int], free: list[int],
-                     base: list[float]) -> list[tuple[float, int]]:
-    scored = [(base[i], i) for i in grp.by_ask[:within_bid] if free[i] >= gpus and i not in skip]
-    return heapq.nsmallest(want, scored, key=lambda item: (-item[0], item[1]))
+                     neg: list[float]) -> list[tuple[float, int]]:
+    return heapq.nsmallest(want, [(neg[i], i) for i in grp.by_ask[:within_bid] if free[i] >= gpus and i not in skip])

@@ -1,8 +1,14 @@
-"""Heartbeat load on a real coordinator process: throughput and latency percentiles, for scripts/bench/market.py.
+"""Heartbeat load on a real coordinator process: throughput, latency percentiles and the CPU each side spends, for
+scripts/bench/market.py.
 
 Starts `gpuswarm coordinator serve` (its own process, with the given database), registers `nodes` signed nodes,
-pre-signs every heartbeat (fresh nonce each, so none is a replay) so that the load generator spends its time on
-HTTP rather than Ed25519, then keeps `concurrency` requests in flight for `seconds` and records each latency.
+pre-signs every heartbeat (fresh nonce each, so none is a replay) and pre-builds each whole HTTP request, then keeps
+`concurrency` keep-alive connections busy for `seconds`, one request in flight on each, and records each latency.
+
+The load client shares the machine's cores with the coordinator, so it is kept lean: a bare asyncio protocol that
+writes ready-made request bytes and reads just the status line and Content-Length of each answer (no HTTP client
+library, no JSON, no signing while timed). Both sides' CPU time over the timed window is reported (the coordinator's
+whole process group, its DHT child included), per heartbeat: on a shared machine those are steadier than the rate.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import aiohttp
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gpuswarm.node.identity import Identity
 
+TICKS = os.sysconf("SC_CLK_TCK")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -35,9 +43,84 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _load(url: str, nodes: int, seconds: float, concurrency: int) -> dict:
-    identities = [Identity(Ed25519PrivateKey.generate()) for _ in range(nodes)]
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+def _group_cpu(session_id: int) -> float:
+    """CPU seconds (user + system) of every live process in the session `session_id` (the coordinator's group)."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session_id:  # fields from the state on: state ppid pgrp session ... utime stime
+            total += int(fields[11]) + int(fields[12])
+    return total / TICKS
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection: sends the next ready request as soon as the answer to the last one is in."""
+
+    def __init__(self, load: _Load):
+        self.load, self.buffer, self.started = load, b"", 0.0
+        self.transport: asyncio.Transport | None = None
+        self.closed = load.loop.create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self) -> None:
+        request = self.load.next_request()
+        if request is None:
+            self.transport.close()
+            return
+        self.started = time.perf_counter()
+        self.transport.write(request)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        head = self.buffer[:end].lower()
+        at = head.find(b"\r\ncontent-length:")
+        if at < 0:
+            raise RuntimeError(f"an answer without Content-Length: {head[:200]!r}")
+        line_end = head.find(b"\r\n", at + 2)
+        length = int(head[at + 17:line_end if line_end > 0 else len(head)])
+        if len(self.buffer) < end + 4 + length:
+            return
+        self.load.done(time.perf_counter() - self.started, head[9:12] == b"200")
+        self.buffer = self.buffer[end + 4 + length:]
+        self.send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(exc)
+
+
+class _Load:
+    def __init__(self, requests: list[bytes], deadline: float):
+        self.loop = asyncio.get_running_loop()
+        self.requests, self.cursor, self.deadline = requests, 0, deadline
+        self.latencies: list[float] = []
+        self.errors = 0
+
+    def next_request(self) -> bytes | None:
+        if self.cursor >= len(self.requests) or time.perf_counter() >= self.deadline:
+            return None
+        self.cursor += 1
+        return self.requests[self.cursor - 1]
+
+    def done(self, latency: float, ok: bool) -> None:
+        self.latencies.append(latency)
+        if not ok:
+            self.errors += 1
+
+
+async def _register(url: str, identities: list[Identity]) -> None:
+    async with aiohttp.ClientSession() as session:
         for ident in identities:
             reg = {"node_id": ident.node_id, "resources": {"gpus": [], "cpu_cores": 4, "ram_gb": 8.0},
                    "software_version": "bench"}
@@ -45,48 +128,73 @@ async def _load(url: str, nodes: int, seconds: float, concurrency: int) -> dict:
                                     json=ident.sign("register", reg).model_dump(mode="json")) as r:
                 if r.status != 200:
                     raise RuntimeError(f"registration failed: {r.status} {await r.text()}")
-        budget = int(seconds * 6000) + concurrency  # more than the coordinator can take in `seconds`
-        bodies = [json.dumps(ident.sign("heartbeat", {"node_id": ident.node_id, "state": "idle"})
-                             .model_dump(mode="json")).encode()
-                  for i in range(budget) for ident in (identities[i % nodes],)]
-        latencies: list[float] = []
-        errors = 0
-        cursor = 0
-        deadline = time.perf_counter() + seconds
-
-        async def worker() -> None:
-            nonlocal cursor, errors
-            while time.perf_counter() < deadline and cursor < len(bodies):
-                body = bodies[cursor]
-                cursor += 1
-                t0 = time.perf_counter()
-                async with session.post(url + "/v1/nodes/heartbeat", data=body,
-                                        headers={"Content-Type": "application/json"}) as r:
-                    await r.read()
-                    if r.status != 200:
-                        errors += 1
-                latencies.append(time.perf_counter() - t0)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    return {"requests": len(latencies), "errors": errors, "per_second": len(latencies) / elapsed,
-            "p50_ms": 1000 * statistics.median(latencies), "p99_ms": 1000 * _percentile(latencies, 0.99)}
 
 
-def run(database_url: str | None, *, nodes: int = 200, seconds: float = 10.0, concurrency: int = 32) -> dict:
-    """Start a coordinator on `database_url` (None: SQLite in a temporary dir), load it, stop it."""
+async def _load(port: int, nodes: int, seconds: float, concurrency: int, session_id: int) -> dict:
+    identities = [Identity(Ed25519PrivateKey.generate()) for _ in range(nodes)]
+    await _register(f"http://127.0.0.1:{port}", identities)
+    budget = int(seconds * 8000) + concurrency  # more than the coordinator can take in `seconds`
+    head = (f"POST /v1/nodes/heartbeat HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            "Content-Length: {}\r\n\r\n")
+    requests = []
+    for i in range(budget):
+        ident = identities[i % nodes]
+        body = json.dumps(ident.sign("heartbeat", {"node_id": ident.node_id, "state": "idle"})
+                          .model_dump(mode="json")).encode()
+        requests.append(head.format(len(body)).encode() + body)
+    loop = asyncio.get_running_loop()
+    load = _Load(requests, deadline=0.0)
+    connections = [(await loop.create_connection(lambda: _Connection(load), "127.0.0.1", port))[1]
+                   for _ in range(concurrency)]
+    server_cpu, client_cpu = _group_cpu(session_id), time.process_time()
+    started = time.perf_counter()
+    load.deadline = started + seconds
+    for conn in connections:
+        conn.send()
+    await asyncio.gather(*(c.closed for c in connections))
+    elapsed = time.perf_counter() - started
+    server_cpu, client_cpu = _group_cpu(session_id) - server_cpu, time.process_time() - client_cpu
+    n = len(load.latencies)
+    if load.cursor == budget:
+        raise RuntimeError(f"all {budget} pre-built heartbeats were sent before the deadline: raise the budget")
+    return {"requests": n, "errors": load.errors, "per_second": n / elapsed,
+            "p50_ms": 1000 * statistics.median(load.latencies), "p99_ms": 1000 * _percentile(load.latencies, 0.99),
+            "server_cpu_us": 1e6 * server_cpu / n, "client_cpu_us": 1e6 * client_cpu / n,
+            "server_cores": server_cpu / elapsed, "client_cores": client_cpu / elapsed}
+
+
+# Runs the CLI with another coordinator/heartbeats.py in place of the installed one (an older version, to compare).
+_WITH_HEARTBEATS = """
+import sys, types
+path = sys.argv.pop(1)
+module = sys.modules["gpuswarm.coordinator.heartbeats"] = types.ModuleType("gpuswarm.coordinator.heartbeats")
+module.__file__ = path
+exec(compile(open(path).read(), path, "exec"), module.__dict__)
+from gpuswarm.cli import main
+sys.argv[0] = "gpuswarm"
+main()
+"""
+
+
+def run(database_url: str | None, *, nodes: int = 200, seconds: float = 10.0, concurrency: int = 32,
+        event_loop: str = "auto", heartbeats_module: Path | None = None) -> dict:
+    """Start a coordinator on `database_url` (None: SQLite in a temporary dir), load it, stop it.
+
+    `event_loop` is `coordinator serve --event-loop`; `heartbeats_module` a file that replaces
+    coordinator/heartbeats.py in the coordinator's process (None: the installed one)."""
     with tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
         env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
         if database_url:
             env["DATABASE_URL"] = database_url
         log = open(Path(tmp) / "coordinator.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "gpuswarm.cli", "coordinator", "serve", "--port", str(port),
-                                 "--data-dir", str(Path(tmp) / "data"), "--log-level", "warning"],
+        launcher = (["-m", "gpuswarm.cli"] if heartbeats_module is None
+                    else ["-c", _WITH_HEARTBEATS, str(heartbeats_module)])
+        proc = subprocess.Popen([sys.executable, *launcher, "coordinator", "serve", "--port", str(port),
+                                 "--data-dir", str(Path(tmp) / "data"), "--log-level", "warning",
+                                 "--event-loop", event_loop],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 60
             while True:
                 try:
@@ -96,7 +204,7 @@ def run(database_url: str | None, *, nodes: int = 200, seconds: float = 10.0, co
                     if proc.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"coordinator did not start; see {log.name}") from None
                     time.sleep(0.2)
-            return asyncio.run(_load(url, nodes, seconds, concurrency))
+            return asyncio.run(_load(port, nodes, seconds, concurrency, proc.pid))
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:

@@ -1,14 +1,19 @@
 """Marketplace benchmark: the matcher's time on a synthetic market, measured alone (it is a pure function).
 
 Sections (run the ones named on the command line; by default all):
-- matcher: one matching pass over 10,000 nodes x 1,000 jobs (goal: under 1 s) and 1,000 x 100 for scale; the
-  median of several runs each. The matcher at git HEAD runs on the same markets in the same run, when its
-  interface is the old one (NodeView.busy), and is reported as a ratio.
+- matcher: one matching pass over 100,000 nodes x 10,000 jobs (goal: under 1 s), 10,000 x 1,000 and 1,000 x 100;
+  the median of several runs each. The first matcher (commit PREVIOUS) runs on the two smaller markets in the same
+  run and is reported as a ratio (on the largest it would take minutes).
+- heartbeats: signed heartbeats against a real coordinator process on SQLite and on PostgreSQL (goal: >= 2,000/s,
+  p99 under 50 ms).
+
+Each section draws its table as a PNG (docs/img/market-matcher.png, market-heartbeats.png) beside it.
 
 The market is random but seeded: GPU models with typical asks, 1-8 GPUs a node, partly used nodes, a few stale
 ones, sparse RTT maps; pending and running jobs with mixed requirements, bids, node counts and GPUs per node.
 
-Run: scripts/bench/run market [SECTION ...] [--runs 5]. Prints each table and appends it to docs/benchmarks.md.
+Run: scripts/bench/run market [SECTION ...] [--runs 5] [--no-write]. Prints each table and appends it to
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from gpuswarm.coordinator.matcher import JobView, NodeView, match
 from gpuswarm.proto.models import GPUInfo, JobSpec, JobState, Resources
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # bench/, scripts/
+import charts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NOW = 1_000_000.0
@@ -137,15 +143,17 @@ def ms(seconds: float) -> str:
 
 def section_matcher(args: argparse.Namespace) -> tuple[str, str]:
     old = old_matcher()
-    rows = []
-    for n_nodes, n_jobs in [(10_000, 1_000), (1_000, 100)]:
+    rows, labels, walls_ms, old_ms = [], [], [], []
+    for n_nodes, n_jobs in [(100_000, 10_000), (10_000, 1_000), (1_000, 100)]:
         jobs, nodes = synthetic_market(n_nodes, n_jobs)
         walls, cpus, matches = timed(lambda j=jobs, n=nodes: match(j, n, NOW, liveness=LIVENESS), args.runs)
         new = statistics.median(walls)
         served = len({m.job_id for m in matches})
         row = [f"{n_nodes:,} x {n_jobs:,}", str(args.runs), ms(new), f"{ms(min(walls))} - {ms(max(walls))}",
                ms(statistics.median(cpus)), f"{len(matches):,}", f"{served:,}"]
-        if old is not None:
+        labels.append(row[0])
+        walls_ms.append(new * 1000)
+        if old is not None and n_nodes <= 10_000:
             old_jobs, old_nodes = as_old(old, jobs, nodes)
             old_runs = max(1, args.runs // 2)
             old_walls, old_cpus, _ = timed(lambda j=old_jobs, n=old_nodes: old.match(j, n, NOW, liveness=LIVENESS),
@@ -153,8 +161,10 @@ def section_matcher(args: argparse.Namespace) -> tuple[str, str]:
             old_wall, old_cpu = statistics.median(old_walls), statistics.median(old_cpus)
             row += [f"{ms(old_wall)} ({old_runs} runs)", ms(old_cpu),
                     f"{old_wall / new:.1f} (CPU {old_cpu / statistics.median(cpus):.1f})"]
+            old_ms.append(old_wall * 1000)
         else:
-            row += ["n/a (no git history)", "n/a", "n/a"]
+            row += ["not run" if old is not None else "n/a (no git history)", "n/a", "n/a"]
+            old_ms.append(float("nan"))
         rows.append(row)
         print(f"  {row[0]}: {row[2]} wall, {row[4]} CPU", file=sys.stderr)
     header = ["nodes x jobs", "runs", "wall (median)", "wall (range)", "CPU (median)", "matches", "jobs served",
@@ -163,12 +173,15 @@ def section_matcher(args: argparse.Namespace) -> tuple[str, str]:
                        *("| " + " | ".join(r) + " |" for r in rows)])
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     note = ("One pass of `coordinator.matcher.match` on a seeded synthetic market (scripts/bench/market.py), pure "
-            "Python; goal: under 1 s for 10,000 x 1,000. CPU is the process's CPU time, which other load on the "
+            "Python; goal: under 1 s for 100,000 x 10,000. CPU is the process's CPU time, which other load on the "
             f"machine disturbs less than wall time (load average at the end: {load}). The first matcher "
             f"(commit {PREVIOUS}) ran on the same markets in the same run through its old views (a node with any "
             "GPU in use counts as busy; no ranking, RTT or multi-job nodes); the ratio compares the cost of one "
-            "pass, not equal outputs.")
-    return "matcher", f"{note}\n\n{table}"
+            "pass, not equal outputs; it is not run on the largest market.")
+    chart = charts.bars("market-matcher", "matcher: one pass (ms, log scale)", labels,
+                        {"matcher": walls_ms, "first matcher": old_ms}, "ms", reference=(1000.0, "goal: 1 s"),
+                        log=True) if args.write else ""
+    return "matcher", f"{note}\n\n{table}\n\n{chart}"
 
 
 def section_heartbeats(args: argparse.Namespace) -> tuple[str, str]:
@@ -176,7 +189,7 @@ def section_heartbeats(args: argparse.Namespace) -> tuple[str, str]:
     import heartbeat_load
     import pglab
 
-    rows = []
+    rows, rates = [], []
     backends: list[tuple[str, object]] = [("SQLite (WAL, one connection)", None)]
     with contextlib.ExitStack() as stack:
         try:
@@ -190,6 +203,7 @@ def section_heartbeats(args: argparse.Namespace) -> tuple[str, str]:
             result = heartbeat_load.run(url, seconds=args.seconds, concurrency=args.concurrency)
             rows.append([name, f"{result['requests']:,}", str(result["errors"]), f"{result['per_second']:,.0f}",
                          f"{result['p50_ms']:.1f} ms", f"{result['p99_ms']:.1f} ms"])
+            rates.append(result["per_second"])
             print(f"  {name}: {rows[-1][3]}/s, p99 {rows[-1][5]}", file=sys.stderr)
     header = ["database", "heartbeats", "errors", "per second", "p50", "p99"]
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
@@ -200,7 +214,10 @@ def section_heartbeats(args: argparse.Namespace) -> tuple[str, str]:
             "its own nonce): every heartbeat is checked (envelope, Ed25519, freshness) and answered on its own; "
             "the writes of the heartbeats that queued up meanwhile share one transaction (group commit, "
             f"coordinator/heartbeats.py). Goal: >= 2,000/s and p99 < 50 ms. Load average at the end: {load}.")
-    return "heartbeats", f"{note}\n\n{table}"
+    chart = "" if not args.write else charts.bars(
+        "market-heartbeats", "heartbeats per second", [r[0] for r in rows], {"heartbeats/s": rates}, "per second",
+        reference=(2000.0, "goal: 2,000/s"))
+    return "heartbeats", f"{note}\n\n{table}\n\n{chart}"
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
@@ -213,6 +230,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per case (the median is reported)")
     parser.add_argument("--seconds", type=float, default=10.0, help="heartbeat load duration per database")
     parser.add_argument("--concurrency", type=int, default=32, help="heartbeats in flight")
+    parser.add_argument("--no-write", dest="write", action="store_false",
+                        help="print only; do not append to docs/benchmarks.md or draw")
     args = parser.parse_args()
     if unknown := [s for s in args.sections if s not in SECTIONS]:
         parser.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
@@ -220,6 +239,8 @@ def main() -> int:
     for name in args.sections or list(SECTIONS):
         title, body = SECTIONS[name](args)
         print(body)
+        if not args.write:
+            continue
         with open(ROOT / "docs" / "benchmarks.md", "a") as f:
             f.write(f"\n## market: {title} ({time.strftime('%Y-%m-%d')}, {machine})\n\n{body}\n")
     return 0
