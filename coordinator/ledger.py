@@ -18,8 +18,9 @@ Credit rule (one claim per node and hivemind epoch, signed by its node, see `pro
 - several different claims from one node for one epoch are an equivocation: all are flagged, the smallest
   attested one is credited, the others rejected;
 - credited samples are capped by the node's measured throughput (`throughput_cap`): `THROUGHPUT_SLACK` times the
-  median claim of the round's other members, scaled by the ratio of challenge-measured GFLOP/s, and never below
-  one round's worth. A solo claim is capped at one round's worth. A claim over its cap is flagged;
+  median rate (samples per second of its window) of the round's other members, scaled by the ratio of
+  challenge-measured GFLOP/s, over the claim's own billable window, and never below one round's worth. A solo
+  claim is capped at one round's worth. A claim over its cap is flagged, except a node's first credited one;
 - the paid time is the claim's wall-clock window (the node's GPUs were the job's for that long), never before the
   node joined or before its previous paid claim, and scaled like the samples (`billable_seconds`);
 - a claim for an epoch that hivemind's own progress records (read from the DHT) never reached stays pending and
@@ -182,19 +183,26 @@ async def ingest_round(session: AsyncSession, job: Job, report: RoundReport,
 
 
 def throughput_cap(claim: Contribution, peers: list[Contribution], gflops: dict[str, float | None],
-                   spec: JobSpec) -> int | None:
+                   spec: JobSpec, windows: dict[int, float] | None = None) -> int | None:
     """The most samples this claim can be credited with (None: no cap).
 
-    The members of a round train side by side until the swarm reaches its target batch, so a member's share of the
-    round follows its speed: it may claim up to `THROUGHPUT_SLACK` times the median of its peers' claims, each
-    scaled by the ratio of challenge-measured GFLOP/s (1 when unknown). One round's worth (target batch plus one
-    local batch) is always plausible, which covers a node that trained alone while waiting for its group."""
+    The members of a round train side by side, so a member's share follows its speed and the time it trained: it
+    may claim up to `THROUGHPUT_SLACK` times the median of its peers' claims, each scaled by the ratio of
+    challenge-measured GFLOP/s (1 when unknown) and by the ratio of the claims' `windows` (by claim id: seconds of
+    its window while its node was in the job): a member that joined a round late, or started training before the
+    others arrived, claims in proportion to its time. One round's worth (target batch plus one local batch, in mode
+    "sync") is always plausible, which covers a node that trained alone while waiting for its group."""
     hp = spec.hyperparameters
     one_round = int(hp["target_batch_size"]) + int(hp.get("batch_size", 0)) if "target_batch_size" in hp else 0
     if peers:
         mine = gflops.get(claim.node_id)
-        scaled = [p.samples * (mine / theirs if mine and (theirs := gflops.get(p.node_id)) else 1.0) for p in peers]
-        return max(one_round, int(statistics.median(scaled) * THROUGHPUT_SLACK))
+
+        def share(p: Contribution) -> float:
+            speed = mine / theirs if mine and (theirs := gflops.get(p.node_id)) else 1.0
+            mine_s, theirs_s = (windows.get(claim.id, 0.0), windows.get(p.id, 0.0)) if windows else (0.0, 0.0)
+            return p.samples * speed * (mine_s / theirs_s if mine_s > 0 and theirs_s > 0 else 1.0)
+
+        return max(one_round, int(statistics.median(map(share, peers)) * THROUGHPUT_SLACK))
     return one_round if claim.solo and one_round else None
 
 
@@ -223,6 +231,9 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
         .where(Contribution.job_id == job.id, Contribution.status == "credited")
         .group_by(Contribution.node_id))).all())
 
+    def joined_at(claim: Contribution) -> float:
+        return min((a.created_at for a in assignments if a.node_id == claim.node_id), default=claim.window_start)
+
     def alone(claim: Contribution) -> bool:
         return not any(a.node_id != claim.node_id and a.created_at <= claim.window_end
                        and (a.ended_at is None or a.ended_at >= claim.window_start) for a in assignments)
@@ -250,16 +261,20 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
                 if v is not chosen and v.status == "pending":
                     v.status = "rejected"
             peers = [p for other, vs in by_node.items() if other != node_id for p in vs if p.status != "rejected"]
-            cap = throughput_cap(chosen, peers, gflops, spec)
+            windows = {c.id: billable_seconds(c, joined_at(c)) for c in (chosen, *peers)}
+            cap = throughput_cap(chosen, peers, gflops, spec, windows)
             credited = chosen.samples if cap is None else min(chosen.samples, cap)
+            # A node's first credited round is capped but not flagged: members start at different times, and while
+            # the first wait for the others (hivemind's tracker) a late one steps on, so the shares of that round say
+            # nothing about honesty.
             if credited < chosen.samples:
-                chosen.flag = chosen.flag or (f"exceeds measured throughput: claimed {chosen.samples} samples, "
-                                              f"credited {credited}")
+                if node_id in paid_until:
+                    chosen.flag = chosen.flag or (f"exceeds measured throughput: claimed {chosen.samples} samples, "
+                                                  f"credited {credited}")
                 events.append(f"node {node_id} claimed {chosen.samples} samples for epoch {epoch}; "
                               f"credited {credited} (measured throughput)")
             fraction = credited / chosen.samples if chosen.samples else 1.0
-            joined = min((a.created_at for a in assignments if a.node_id == node_id), default=chosen.window_start)
-            since = max(joined, paid_until.get(node_id) or 0.0)
+            since = max(joined_at(chosen), paid_until.get(node_id) or 0.0)
             chosen.status, chosen.credited_samples = "credited", credited
             chosen.credited_seconds = billable_seconds(chosen, since) * fraction
             paid_until[node_id] = max(since, chosen.window_end)

@@ -296,6 +296,11 @@ class SharedParams:
         self.grads = [chunk.view(shape) for chunk, shape in zip(self.grad_flat.split(self.sizes), self.shapes,
                                                                    strict=True)]
 
+    def bind_grads(self) -> None:
+        """Mode "sync": hivemind reads the batch's gradients straight from the shared copy."""
+        for param, grad in zip(self.params, self.grads, strict=True):
+            param.grad = grad
+
     def take_grads(self) -> None:
         """The batch's gradients, copied out of the shared buffer first (the trainer cannot change them after the
         check), then refused if any is NaN or infinite."""
@@ -305,14 +310,13 @@ class SharedParams:
         if not torch.isfinite(self.grad_flat).all():
             raise TrainerFailed("the workload put non-finite values (NaN or inf) in the shared gradient buffer; "
                                 "nothing of this batch was shared")
-        for param, grad in zip(self.params, self.grads, strict=True):
-            param.grad = grad
 
-    def publish(self) -> None:
+    def publish(self, params=None) -> None:
+        """Hand the trainer `params` (by default the swarm's, i.e. hivemind's) for its next batch."""
         import torch
 
         with torch.no_grad():
-            for param, chunk in zip(self.params, self.link.params.tensor.split(self.sizes), strict=True):
+            for param, chunk in zip(params or self.params, self.link.params.tensor.split(self.sizes), strict=True):
                 chunk.copy_(param.reshape(-1))
         self.version += 1
 
@@ -321,11 +325,14 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         inputs: Inputs = Inputs(), max_seconds: float | None = None) -> int:
     import hivemind
     import torch
+    from gpuswarm.dht.hivemind_adapter import averager_compression, averager_options
     from gpuswarm.dht.swarm import SwarmDHT
     from gpuswarm.dht.validators import NodeAdvertValidator
     from gpuswarm.node.attest import ClaimAttestor, RoundResult
+    from gpuswarm.node.local_updates import LocalUpdates, choose_inner_steps, first_round_estimate
     from gpuswarm.node.workloads.saved import load_checkpoint
     from gpuswarm.proto.models import Assignment
+    from gpuswarm.proto.trainer import OptimizerSpec
 
     threads = int(os.environ.get("GPUSWARM_TORCH_THREADS", "1"))
     torch.set_num_threads(threads)
@@ -345,6 +352,16 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                            int(os.environ.get("GPUSWARM_TRAIN_NICE", "10")))
         check_stop_rule(spec.stop, hello.metrics, hello.train_size)
         shared = SharedParams(link)
+        options = spec.training
+        if options.mode == "diloco":
+            # The workload's optimizer steps this node's inner copy on every batch; hivemind's steps the swarm's
+            # parameters with the outer SGD on the averaged pseudo-gradient once a round.
+            local = LocalUpdates(shared.params, shared.grads, hello.optimizer)
+            outer = OptimizerSpec(name="sgd", lr=options.outer_learning_rate, momentum=options.outer_momentum,
+                                  nesterov=options.outer_momentum > 0)
+        else:
+            local, outer = None, hello.optimizer
+            shared.bind_grads()
         # What the trainer writes (its state for a checkpoint, the final model) is read back as bytes, never
         # unpickled here, and at most what the sandbox's memory could have held.
         file_limit = settings.limits.memory_bytes or settings.limits.file_bytes
@@ -367,14 +384,22 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         membership = Membership(dht, a.run_id, a.node_id)
         membership.wait_for(spec.min_nodes, stop)
         membership.keep_fresh(done)
+        members = membership.place()[1]
+        # Mode "diloco": a round is `inner_steps` local steps on every member; until the first rounds are timed,
+        # the step time is a guess and the round time an estimate from the model's size (see local_updates).
+        step_seconds = 0.0
+        round_seconds = first_round_estimate(sum(shared.sizes), hello.matchmaking_time, members)
+        inner_steps = choose_inner_steps(1.0, round_seconds, options.inner_steps)
+        target = inner_steps * hello.batch_size * members if local is not None else hello.target_batch_size
         attestor = ClaimAttestor(DaemonSigner(), a.node_id, a.job_id, str(dht.peer_id), report_round,
                                  inflate=inflate, on_failed=report_failed_round)
         optimizer = hivemind.Optimizer(
-            dht=dht, run_id=a.run_id, target_batch_size=hello.target_batch_size,
-            batch_size_per_step=hello.batch_size, params=shared.params, optimizer=hello.optimizer.build,
+            dht=dht, run_id=a.run_id, target_batch_size=target,
+            batch_size_per_step=hello.batch_size, params=shared.params, optimizer=outer.build,
             matchmaking_time=hello.matchmaking_time, averaging_timeout=hello.averaging_timeout,
             # A newcomer joining a run in progress takes the current weights and optimizer state from a peer.
-            load_state_timeout=60.0, averager_opts={"request_timeout": 1.0}, verbose=False,
+            load_state_timeout=60.0, averager_opts={**averager_options(), "request_timeout": 1.0},
+            grad_compression=averager_compression(options.compression), verbose=False,
             # Every gradient round carries this node's signed claim as gather data (see gpuswarm.node.attest).
             grad_averager_factory=attestor.averager_factory,
         )
@@ -391,10 +416,12 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         last_epoch = optimizer.local_epoch
         resume_position = resumed and resumed.get("data_position")
         samples_total, started = 0, time.time()
+        swarm_samples = last_epoch * target  # the swarm's samples so far, for the data epochs a stop rule counts
         while not stop.is_set():
             if max_seconds is not None and time.time() - started > max_seconds:
                 raise TrainerFailed(f"the job ran past this node's wall-time limit for a job ({max_seconds:.0f}s)")
             index, count = membership.place()
+            began = time.monotonic()
             done_step = link.request("step", "step", f"computing step {optimizer.local_epoch + 1}",
                                      version=shared.version, index=index, count=count, step=optimizer.local_epoch,
                                      resume=resume_position)
@@ -404,19 +431,32 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             # hivemind has accumulated by then.
             attestor.meter.record(done_step.samples, done_step.seconds)
             first_step = samples_total == 0
-            optimizer.step()
+            if local is not None:
+                local.step(done_step.samples)
+            stepping = time.monotonic()
+            optimizer.step(batch_size=done_step.samples if local is not None else None)
+            stepped = time.monotonic()
             samples_total += done_step.samples
             attestor.poll()  # reports the round that just finished, or the epoch this node ended alone
             if first_step:
                 # The tracker publishes a peer only once it has accumulated samples: one step first, then wait.
                 wait_for_tracker(optimizer, spec.min_nodes, stop)
             if optimizer.local_epoch == last_epoch:
+                if local is not None:
+                    shared.publish(local.params)  # the next batch starts where this node's inner steps got to
+                    step_seconds = ema(step_seconds, stepped - began)
                 continue
             # An averaged step (or the state loaded from a peer) changed the parameters: the trainer takes them.
+            swarm_samples += optimizer.tracker.target_batch_size * (optimizer.local_epoch - last_epoch)
+            if local is not None:
+                local.restart()
+                round_seconds = ema(round_seconds, stepped - stepping)
+                inner_steps = choose_inner_steps(step_seconds, round_seconds, options.inner_steps)
+                optimizer.tracker.target_batch_size = inner_steps * hello.batch_size * count
             shared.publish()
             last_epoch = step = optimizer.local_epoch
             metrics = link.request("evaluate", "metrics", f"evaluating step {step}", version=shared.version).metrics
-            epochs = step * hello.target_batch_size / hello.train_size if hello.train_size else None
+            epochs = swarm_samples / hello.train_size if hello.train_size else None
             elapsed = max(time.time() - started, 1e-6)
             loss_value = metrics.get("loss", metrics.get("val_loss"))
             accuracy = metrics.get("accuracy")
@@ -457,6 +497,11 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             attestor.finish()
         if dht is not None:
             dht.shutdown()
+
+
+def ema(previous: float, value: float, weight: float = 0.5) -> float:
+    """An exponential moving average; the first value (previous 0) is taken as it is."""
+    return value if previous <= 0 else weight * value + (1 - weight) * previous
 
 
 def die_with_parent() -> None:

@@ -226,9 +226,25 @@ class TrainingOptions(OwnerModel):
     """How nodes train the job, whatever the workload. `precision = "bf16"` runs the forward pass and the loss
     under bfloat16 autocast where the device supports it (fp32 elsewhere, said in the job's log). A checkpoint
     (model, optimizer state, step, data position) is uploaded every `checkpoint_every_steps` global steps or
-    `checkpoint_every_minutes`, whichever comes first; the newest `checkpoints_kept` are kept."""
+    `checkpoint_every_minutes`, whichever comes first; the newest `checkpoints_kept` are kept.
+
+    `mode` is how nodes combine their work. "diloco" (the default; measured in docs/benchmarks.md): every node takes
+    `inner_steps` steps of the workload's own optimizer on its own batches, then the nodes average how far their
+    parameters moved (the pseudo-gradient) and an outer SGD applies it (`outer_learning_rate`, and Nesterov momentum
+    when `outer_momentum` > 0); one averaged outer step is one global step. The defaults (rate 1, no momentum: the
+    swarm moves to the average of its members' parameters) measured best on tinylm at tens of inner steps, and a
+    lone node then trains exactly as one process would; DiLoCo's published 0.7 and 0.9 are for hundreds. Left
+    unset, `inner_steps` is chosen by each node from the step and round times it measures, so that averaging takes
+    about a tenth of a round. "sync": one averaged gradient step per `target_batch_size` samples across the swarm
+    (plain data parallel, as one machine with that batch would train). `compression` is what averaging rounds send:
+    "fp16" (the default: half the bytes), "8bit" (a quarter; tensors under 65,536 values go as fp16) or "none"."""
 
     precision: Literal["fp32", "bf16"] = "fp32"
+    mode: Literal["diloco", "sync"] = "diloco"
+    inner_steps: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    outer_learning_rate: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] = 1.0
+    outer_momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
+    compression: Literal["none", "fp16", "8bit"] = "fp16"
     checkpoint_every_steps: Annotated[int, Field(ge=1, le=10**9)] | None = None
     checkpoint_every_minutes: Annotated[float, Field(gt=0, le=7 * 24 * 60, allow_inf_nan=False)] | None = 10.0
     checkpoints_kept: Annotated[int, Field(ge=1, le=100)] = 3

@@ -25,11 +25,13 @@ class MeshSwarm:
         self.url = f"http://{lab.addresses[0]}:{PORT}"
         self.procs: dict[int, subprocess.Popen] = {}
 
-    def _spawn(self, i: int, name: str, *args: str) -> subprocess.Popen:
+    def _spawn(self, i: int, name: str, *args: str, **popen) -> subprocess.Popen:
         env = os.environ | {"GPUSWARM_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / f"{name}.log", "ab") as log:
             return self.lab.popen(i, [sys.executable, "-m", "gpuswarm.cli", *args], stdout=log,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                  **popen)
 
     def start_coordinator(self) -> None:
         a0 = self.lab.addresses[0]
@@ -42,10 +44,11 @@ class MeshSwarm:
                               check=True, timeout=60)
         self.token = json.loads(owner.stdout)["token"]
 
-    def start_node(self, i: int, price: float = 0.0, *extra: str) -> None:
+    def start_node(self, i: int, price: float = 0.0, *extra: str, **popen) -> None:
+        """Start node i's daemon; `popen` goes to subprocess.Popen (e.g. a preexec_fn that joins a cgroup)."""
         self.procs[i] = self._spawn(i, f"node-{i}", "node", "start", "-c", self.url, "--state-dir",
                                     str(self.state_dir(i)), "--cpu", "--listen-port", "51820", "--price", str(price),
-                                    *extra)
+                                    *extra, **popen)
 
     def submit_file(self, path: Path) -> dict:
         """Submit a job file as its owner would, from the coordinator's namespace (`job submit` packs and uploads)."""

@@ -241,14 +241,17 @@ async def test_a_claim_beyond_measured_throughput_is_capped_and_flagged(alice, p
     a, b, job_id = pair
     now = time.time()
     window = {"window_start": now - 30, "window_end": now}
-    honest = claim(a, job_id, 0, samples=600, **window)
-    liar = claim(b, job_id, 0, samples=6000, **window)  # ten times its peer's share of the same round
-    await report(alice, a, job_id, [honest, liar])
-    await report(alice, b, job_id, [liar, honest])
-    statement = await get(alice, f"/v1/jobs/{job_id}/statement")
-    by_node = rows(statement)
-    assert by_node[a.node_id]["samples"] == 600 and by_node[a.node_id]["flagged"] == 0
-    assert by_node[b.node_id]["samples"] == 1800 and by_node[b.node_id]["flagged"] == 1  # 3x its peer's share
+    for epoch in (0, 1):
+        honest = claim(a, job_id, epoch, samples=600, **window)
+        liar = claim(b, job_id, epoch, samples=6000, **window)  # ten times its peer's share of the same round
+        await report(alice, a, job_id, [honest, liar])
+        await report(alice, b, job_id, [liar, honest])
+        statement = await get(alice, f"/v1/jobs/{job_id}/statement")
+        by_node = rows(statement)
+        assert by_node[a.node_id]["samples"] == 600 * (epoch + 1) and by_node[a.node_id]["flagged"] == 0
+        # Capped at 3x its peer's share each time; flagged from its second round (the first round's shares depend
+        # on when each member started).
+        assert by_node[b.node_id]["samples"] == 1800 * (epoch + 1) and by_node[b.node_id]["flagged"] == epoch
     nodes = {n["id"]: n for n in (await get(alice, "/v1/nodes"))["nodes"]}
     assert nodes[b.node_id]["reputation"] < nodes[a.node_id]["reputation"]
 

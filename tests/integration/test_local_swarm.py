@@ -85,7 +85,9 @@ def test_three_nodes_train_to_target_and_share_the_credit(swarm, tmp_path):
 
 
 def test_job_survives_a_node_killed_mid_training(swarm):
-    job = swarm.client.submit_job(SPEC)
+    # Mode "sync": one global step per 3 s round, so the kill lands well before the target (with local updates
+    # digits reaches it in a round or two).
+    job = swarm.client.submit_job({**SPEC, "training": {"mode": "sync"}})
     # Mid-training: all three are in and the run has made a few averaged steps, but is far from the target.
     swarm.wait(lambda: (j := swarm.client.job(job.id)).progress.global_step >= 3
                and j.progress.peers >= 3, 180, "three peers to train together")

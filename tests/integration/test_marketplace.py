@@ -32,8 +32,9 @@ def test_a_node_that_inflates_its_claims_is_credited_only_what_its_peers_support
         # Test-only fault injection (see gpuswarm.node.attest): node 2 inflates every claim it signs.
         lab.start_node(i, price=0.5, env={"GPUSWARM_FAULT_INFLATE_CLAIMS": str(INFLATION)} if i == 2 else None)
     lab.wait_for_nodes(3)
+    # Mode "sync": many short rounds, so the liar's claims meet the cap after its first (unflagged) round.
     job = lab.client.submit_job({"workload": "digits-mlp", "min_nodes": 3, "max_nodes": 3, "budget": 5.0,
-                                 "stop": {"target_accuracy": 0.9, "max_epochs": 40}})
+                                 "stop": {"target_accuracy": 0.9, "max_epochs": 40}, "training": {"mode": "sync"}})
     done = wait_for_job(lab, job.id)
     assert done.state == "completed", done
     liar, honest = lab.node_id(2), {lab.node_id(0), lab.node_id(1)}

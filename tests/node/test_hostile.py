@@ -178,6 +178,7 @@ def test_a_benign_step_trades_gradients_and_parameters_through_shared_memory(nod
     link = run_attack(state, code, "none")
     try:
         shared = SharedParams(link)
+        shared.bind_grads()  # mode "sync": hivemind reads the gradients from the shared copy
         shared.take_grads()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in shared.params)
         assert float(shared.grad_flat.abs().sum()) > 0

@@ -22,6 +22,7 @@ def test_a_builtin_trains_saves_and_reports_through_an_unsandboxed_trainer(tmp_p
         hello = link.start(spec.model_dump(mode="json"), Inputs(), gpus=[], threads=1, nice=0)
         assert hello.optimizer.name == "adam" and hello.devices == ["cpu"] and "accuracy" in hello.metrics
         shared = SharedParams(link)
+        shared.bind_grads()  # mode "sync": the optimizer reads the gradients from the shared copy
         before = [p.detach().clone() for p in shared.params]
         optimizer = hello.optimizer.build(shared.params)
         for step in range(8):

@@ -1,0 +1,102 @@
+"""Local updates with an outer optimizer (DiLoCo) on top of hivemind's averaging: the job mode "diloco".
+
+Owns, for one training process: this node's inner copy of the parameters and the workload's optimizer over it
+(stepped on every local batch, no network), the pseudo-gradient handed to `hivemind.Optimizer` (which holds the
+anchor, i.e. the swarm's parameters, and steps it with the outer SGD on the swarm's average), and the
+choice of how many inner steps a round takes.
+
+How the pseudo-gradient reaches hivemind 1.1.12 unchanged: its gradient averager sums what `.grad` holds at each
+`step(batch_size=b)` call, scaled by b / (the epoch's first b) (optim/grad_averager.py:146-148), and divides the
+sum by the number of calls when the round starts (load_accumulators_into_averager_). Nobody knows in advance which
+call ends the epoch (the swarm's sample count decides), so the k-th call of an epoch gets
+k·δ_k − (k−1)·δ_{k−1} (δ_k = anchor − inner after k inner steps), rescaled by the inverse of hivemind's factor:
+the sum telescopes to K·δ_K and hivemind's division leaves exactly δ_K, whichever call K ends the epoch. The
+averaged δ (weighted by samples, as hivemind weighs peers) is the outer optimizer's gradient.
+
+`choose_inner_steps` is a pure function: a round's compute should be about three times its averaging, within
+bounds, so that averaging costs about a quarter of the wall time whatever the link and the model. More local steps
+per round would waste less time on the network but learn less per sample (scripts/bench/scaling.py measured it:
+with a 10% share, rounds of 60 s made 2 nodes slower to the target than one).
+"""
+
+from __future__ import annotations
+
+import math
+
+COMM_SHARE = 0.25  # the share of a round's wall time that averaging may take
+MIN_INNER_STEPS = 4
+MAX_INNER_STEPS = 1000
+# Seconds: every round ends with an evaluation and hivemind's epoch bookkeeping, which must stay a small share even
+# for a lone node (whose rounds carry no averaging at all).
+MIN_ROUND_COMPUTE = 10.0
+MAX_ROUND_COMPUTE = 30.0  # seconds: more local steps than this learn less per sample; metrics at least this often
+ASSUMED_MBIT = 50.0  # the link assumed before the first round is measured
+
+
+def first_round_estimate(parameter_count: int, matchmaking_time: float, members: int) -> float:
+    """Seconds a round is expected to take before any is measured: matchmaking, then a butterfly all-reduce of
+    the fp32 parameters at ASSUMED_MBIT."""
+    members = max(members, 1)
+    transfer = 2 * (members - 1) / members * parameter_count * 4 * 8 / (ASSUMED_MBIT * 1e6)
+    return matchmaking_time + transfer
+
+
+def choose_inner_steps(step_seconds: float, round_seconds: float, fixed: int | None = None) -> int:
+    """Inner steps per round: `fixed` when the job says so; otherwise enough steps that the round's compute is
+    (1 - COMM_SHARE) / COMM_SHARE times its averaging, bounded by MIN/MAX_ROUND_COMPUTE seconds and
+    MIN/MAX_INNER_STEPS."""
+    if fixed is not None:
+        return fixed
+    if not (step_seconds > 0 and math.isfinite(step_seconds)):
+        return MIN_INNER_STEPS
+    round_seconds = round_seconds if math.isfinite(round_seconds) and round_seconds > 0 else 0.0
+    compute = round_seconds * (1 - COMM_SHARE) / COMM_SHARE
+    compute = min(max(compute, MIN_ROUND_COMPUTE), MAX_ROUND_COMPUTE)
+    return max(MIN_INNER_STEPS, min(MAX_INNER_STEPS, math.ceil(compute / step_seconds)))
+
+
+class LocalUpdates:
+    """The inner loop of DiLoCo on this node. `anchor` are the parameters hivemind's optimizer owns (and averages);
+    `grads` the buffers the trainer's gradients are copied into. Each `step` applies the inner optimizer and
+    leaves this step's share of the pseudo-gradient in the anchor's `.grad`; `restart` follows the anchor after it
+    moved (an outer step, or state loaded from a peer)."""
+
+    def __init__(self, anchor, grads, optimizer_spec) -> None:
+        import torch
+
+        self.anchor = list(anchor)
+        self.params = [torch.nn.Parameter(p.detach().clone()) for p in self.anchor]
+        for param, grad in zip(self.params, grads, strict=True):
+            param.grad = grad
+        self.optimizer = optimizer_spec.build(self.params)
+        self.scaled_previous = [torch.zeros_like(p) for p in self.anchor]  # (k-1)·δ_{k-1}
+        for param in self.anchor:
+            param.grad = torch.zeros_like(param)
+        self.steps = 0
+        self.first_batch: int | None = None
+
+    def step(self, batch_size: int) -> None:
+        """One inner step on the gradients in the shared buffers, then k·δ_k − (k−1)·δ_{k−1}, rescaled for
+        hivemind's batch weighting, into the anchor's `.grad` (see the module docstring)."""
+        import torch
+
+        self.optimizer.step()
+        self.steps += 1
+        if self.first_batch is None:
+            self.first_batch = batch_size
+        k, rescale = self.steps, self.first_batch / batch_size
+        with torch.no_grad():
+            for anchor, inner, previous in zip(self.anchor, self.params, self.scaled_previous, strict=True):
+                scaled = torch.sub(anchor, inner).mul_(k)
+                torch.sub(scaled, previous, out=anchor.grad).mul_(rescale)
+                previous.copy_(scaled)
+
+    def restart(self) -> None:
+        """The anchor moved: the inner parameters start again from it (the inner optimizer keeps its state)."""
+        import torch
+
+        with torch.no_grad():
+            for anchor, inner, previous in zip(self.anchor, self.params, self.scaled_previous, strict=True):
+                inner.copy_(anchor)
+                previous.zero_()
+        self.steps, self.first_batch = 0, None

@@ -1,0 +1,339 @@
+"""Scaling benchmark: does renting more nodes reach the target sooner? Time to tinylm's stop rule with 1, 2 and 4
+real nodes against a plain single-process PyTorch loop, every one of them held to the same CPU quota.
+
+Each case is a fresh lab: the coordinator in namespace 0 and N node daemons (`gpuswarm node start`, wireguard-go,
+the sandboxed trainer) in namespaces 1..N, every WireGuard packet crossing the WAN relay (scripts/wanrelay.py) with
+a rate cap, delay and loss (default 100 Mbit/s, 40 ms RTT, 0.5%). Each node's whole process tree (daemon, worker,
+trainer, DHT and p2pd, wireguard-go) runs in its own CPU cgroup with `--cpus` CPUs (cgroup v2 cpu.max where the
+controller is available, else cgroup v1 cpu.cfs_quota_us); the plain loop runs in one with the same quota. Seconds
+run from the job's submission (the nodes registered and idle) to its completion, and for the plain loop from its
+process's start to the target: both include starting Python and torch and reading the data.
+
+The plain loop is the same workload (examples/tinylm, the same data, model, batch and AdamW) stepping alone and
+evaluating every `--eval-every` steps, the way one machine would train it. `--workload digits-mlp` runs the digits
+demo's built-in workload instead (its own defaults; e.g. `--nodes 1,3 --target "accuracy >= 0.95"`).
+
+Run: scripts/bench/run scaling [--quick] [--json] [--nodes 1,2,4] [--cpus 0.4] [--target "val_bpb <= 3.6"]
+     [--mode diloco|sync ...] [--no-write]. Prints the table and appends it (with a PNG) to docs/benchmarks.md.
+`--json` prints per case: nodes, mode, seconds, steps, final_metric, speedup (one node's seconds / this case's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "scripts")]
+
+import charts  # noqa: E402
+import meshswarm  # noqa: E402
+import netlab  # noqa: E402
+
+TINYLM = {"context": 64, "d_model": 192, "n_layer": 3, "n_head": 6, "batch_size": 32, "learning_rate": 0.005,
+          "val_windows": 32}
+WG_PORT = 51820
+
+
+# ---- CPU quota -------------------------------------------------------------------------------------------------
+
+class CpuQuota:
+    """A CPU cgroup holding `cpus` CPUs: cgroup v2's cpu.max where the cpu controller is enabled, else cgroup v1's
+    cpu.cfs_quota_us. Processes join it at spawn (`preexec`), so every child they start is held too."""
+
+    PERIOD_US = 100_000
+
+    def __init__(self, name: str, cpus: float):
+        self.cpus = cpus
+        v2 = Path("/sys/fs/cgroup")
+        if "cpu" in (v2 / "cgroup.controllers").read_text().split() if (v2 / "cgroup.controllers").exists() else ():
+            self.path = v2 / name
+            self.path.mkdir(exist_ok=True)
+            (self.path / "cpu.max").write_text(f"{int(cpus * self.PERIOD_US)} {self.PERIOD_US}")
+        else:
+            self.path = v2 / "cpu" / name
+            self.path.mkdir(exist_ok=True)
+            (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(int(cpus * self.PERIOD_US)))
+
+    def preexec(self) -> None:
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def throttled_seconds(self) -> float:
+        stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
+        return int(stat.get("throttled_time", 0)) / 1e9 or int(stat.get("throttled_usec", 0)) / 1e6
+
+    def remove(self) -> None:
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), 9)
+        for _ in range(50):
+            with contextlib.suppress(OSError):
+                self.path.rmdir()
+                return
+            time.sleep(0.1)
+
+
+def quota_unavailable() -> str | None:
+    for path in (Path("/sys/fs/cgroup/cgroup.controllers"),):
+        if path.exists() and "cpu" in path.read_text().split():
+            return None
+    if Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
+        return None
+    return "no CPU controller: neither cgroup v2 cpu.max nor cgroup v1 cpu.cfs_quota_us is available"
+
+
+# ---- the data and the plain loop -------------------------------------------------------------------------------
+
+def corpus(directory: Path) -> Path:
+    """The standard library's top-level modules (about 5 MB of Python): tinylm's text, for nodes and loop alike."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in sorted(stdlib.glob("*.py")):
+        (directory / path.name).write_bytes(path.read_bytes())
+    return directory
+
+
+def job_source(workload: str) -> dict:
+    """The job spec's fields that name the workload: tinylm's code and params, or a built-in's name."""
+    if workload == "tinylm":
+        return {"code": {"sha256": "0" * 64, "size": 1, "format": "tar", "entrypoint": "tinylm.workload:TinyLM"},
+                "hyperparameters": TINYLM}
+    return {"workload": workload}
+
+
+def plain_loop(data: str, target: str, eval_every: int, max_seconds: float, workload_name: str) -> None:
+    """The floor: the workload trained by one process with one thread, printing one JSON line when it meets
+    `target`."""
+    started = time.monotonic()
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT / "examples" / "tinylm"))
+    from gpuswarm.node.trainer import ShardStream, build_workload
+    from gpuswarm.proto.models import JobSpec
+
+    spec = JobSpec.model_validate({**job_source(workload_name), "stop": {"target": target}})
+    with tempfile.TemporaryDirectory() as work:
+        workload, _ = build_workload(spec, ROOT / "examples" / "tinylm", Path(data), torch.device("cpu"), Path(work))
+        model = workload.build_model()
+        optimizer = workload.optimizer().build([p for p in model.parameters() if p.requires_grad])
+        stream = ShardStream(workload, 0)
+        stream.reshard(0, 1, 0)
+        (name, op, value), = spec.stop.metric_targets()
+        step = 0
+        while time.monotonic() - started < max_seconds:
+            loss = workload.loss(model, stream.next())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step % eval_every == 0:
+                metric = workload.evaluate(model)[name]
+                if metric <= value if op == "<=" else metric >= value:
+                    print(json.dumps({"seconds": time.monotonic() - started, "steps": step, "metric": metric}))
+                    return
+        print(json.dumps({"seconds": None, "steps": step, "metric": None}))
+
+
+def run_plain(data: Path, target: str, cpus: float, eval_every: int, max_seconds: float, workload: str) -> dict:
+    quota = CpuQuota("gpuswarm-bench-plain", cpus)
+    try:
+        out = subprocess.run([sys.executable, __file__, "--plain-loop", str(data), "--target", target,
+                              "--eval-every", str(eval_every), "--max-seconds", str(max_seconds),
+                              "--workload", workload],
+                             preexec_fn=quota.preexec, capture_output=True, text=True, timeout=max_seconds + 120)
+        if out.returncode != 0:
+            raise RuntimeError(f"the plain loop failed: {out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        quota.remove()
+
+
+# ---- the swarm -------------------------------------------------------------------------------------------------
+
+def job_file(path: Path, data: Path, nodes: int, target: str, mode: str, max_seconds: float, workload: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if workload == "tinylm":
+        params = "\n".join(f"{k} = {json.dumps(v)}" for k, v in TINYLM.items())
+        source = f"""[code]
+path = "{ROOT / 'examples' / 'tinylm'}"
+entrypoint = "tinylm.workload:TinyLM"
+
+[dataset]
+path = "{data}"
+
+[params]
+{params}
+target_batch_size = {TINYLM['batch_size'] * nodes * 8}
+"""
+    else:
+        source = ""
+    path.write_text(f"""name = "scaling-{nodes}"
+min_nodes = {nodes}
+max_nodes = {nodes}
+budget = 50.0
+{f'workload = "{workload}"' if not source else ""}
+
+{source}
+[stop]
+target = "{target}"
+max_seconds = {max_seconds}
+max_epochs = 1000
+
+[training]
+mode = "{mode}"
+checkpoint_every_minutes = 60
+""")
+    return path
+
+
+def run_swarm(nodes: int, data: Path, target: str, mode: str, cpus: float, wan: dict, max_seconds: float,
+              root: Path, workload: str) -> dict:
+    quotas = [CpuQuota(f"gpuswarm-bench-node{i}", cpus) for i in range(1, nodes + 1)]
+    with netlab.NetLab(nodes + 1) as lab:
+        relay = lab.start_relay(WG_PORT)
+        swarm = meshswarm.MeshSwarm(lab, root)
+        try:
+            swarm.start_coordinator()
+            for i in range(1, nodes + 1):
+                swarm.start_node(i, 0.0, "--endpoint", relay.endpoint(i), "--allow-custom-code",
+                                 preexec_fn=quotas[i - 1].preexec)
+            swarm.wait_for_nodes(nodes, timeout=180)
+            # Each node proves its compute once it registers (the GPU challenge): done before the clock starts.
+            meshswarm.wait_for(lambda: sum(n["verified"] for n in swarm.cli(0, "nodes")) >= nodes, 120,
+                               "every node's challenge to pass", interval=1.0)
+            # The WAN's delay and loss go on after the mesh's first handshakes (see NetLab.start_relay); each node's
+            # path keeper pings its peers as soon as it has them, which makes the handshakes.
+            meshswarm.wait_for(lambda: all(len(swarm.peers_of(i)) == nodes - 1 for i in range(1, nodes + 1)), 60,
+                               "every node to have its mesh peers")
+            time.sleep(5)
+            relay.set(**wan)
+            spec = job_file(root / "job" / "job.toml", data, nodes, target, mode, max_seconds, workload)
+            started = time.monotonic()
+            job = swarm.submit_file(spec)
+            client = swarm.client
+            info = meshswarm.wait_for(lambda: (lambda j: j if j["state"] in ("completed", "failed", "cancelled")
+                                               else None)(client.job(job["id"])), max_seconds + 300,
+                                      "the job to end", interval=1.0)
+            seconds = time.monotonic() - started
+            if info["state"] != "completed":
+                raise RuntimeError(f"the {nodes}-node job ended {info['state']}: {info.get('error')}\n"
+                                   + swarm.log_tail("node-1", 40))
+            name = re.match(r"\s*(\w+)", target).group(1)
+            metrics = info.get("final_metrics") or info["progress"].get("metrics") or {}
+            return {"seconds": seconds, "steps": info["progress"].get("global_step"), "metric": metrics.get(name),
+                    "throttled_seconds": sum(q.throttled_seconds() for q in quotas) / nodes}
+        finally:
+            swarm.stop_all()
+            relay.stop()
+            for quota in quotas:
+                quota.remove()
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+
+def table(cases: list[dict], args, plain: dict, draw: bool) -> str:
+    wan = f"{args.rate:g} Mbit/s, {args.rtt:g} ms RTT, {args.loss:g}% loss"
+    lines = [f"## scaling ({time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 cores, {args.cpus:g} CPU per node and "
+             f"for the plain loop, WAN {wan}, {args.workload} to {args.target}{', --quick' if args.quick else ''})", "",
+             "| case | mode | seconds to target | global steps | final metric | speedup vs 1 node | vs plain loop |",
+             "|---|---|---|---|---|---|---|",
+             f"| plain PyTorch loop | - | {plain['seconds']:.1f} | {plain['steps']} (local) | {plain['metric']:.3f} "
+             "| - | 1.00 |"]
+    for c in cases:
+        lines.append(f"| {c['nodes']} node{'s' if c['nodes'] > 1 else ''} | {c['mode']} | {c['seconds']:.1f} | "
+                     f"{c['steps']} | {c['final_metric']:.3f} | "
+                     f"{c['speedup']:.2f} | {plain['seconds'] / c['seconds']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    if not draw:
+        return text
+    modes = sorted({c["mode"] for c in cases})
+    counts = sorted({c["nodes"] for c in cases})
+    series = {m: [next((c["speedup"] for c in cases if c["mode"] == m and c["nodes"] == n), float("nan"))
+                  for n in counts] for m in modes}
+    text += "\n" + charts.lines("scaling" if args.workload == "tinylm" else f"scaling-{args.workload}",
+                                f"{args.workload}: speedup against nodes (time to target)", counts, series,
+                                "nodes", "speedup vs one node", ideal=counts) + "\n"
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plain-loop", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", default="tinylm", help='tinylm (default) or a built-in, e.g. "digits-mlp"')
+    parser.add_argument("--quick", action="store_true", help="1 and 2 nodes to an easier target")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--nodes", default=None, help="comma-separated node counts (default 1,2,4; --quick 1,2)")
+    parser.add_argument("--mode", action="append", choices=["diloco", "sync"], help="job modes (default diloco)")
+    parser.add_argument("--cpus", type=float, default=0.4, help="CPU quota per node and for the plain loop")
+    parser.add_argument("--target", default=None, help='stop rule (default "val_bpb <= 3.6"; --quick 4.4)')
+    parser.add_argument("--rate", type=float, default=100.0, help="WAN rate cap, Mbit/s")
+    parser.add_argument("--rtt", type=float, default=40.0, help="WAN round-trip time, ms")
+    parser.add_argument("--loss", type=float, default=0.5, help="WAN packet loss, percent")
+    parser.add_argument("--eval-every", type=int, default=20, help="the plain loop's evaluation interval, steps")
+    parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--keep", type=Path, help="keep each case's logs and databases under this directory")
+    args = parser.parse_args()
+    args.target = args.target or ("val_bpb <= 4.4" if args.quick else "val_bpb <= 3.6")
+    if args.plain_loop:
+        plain_loop(args.plain_loop, args.target, args.eval_every, args.max_seconds, args.workload)
+        return 0
+    reason = netlab.unavailable_reason() or quota_unavailable()
+    if reason:
+        print(f"scaling: {reason}", file=sys.stderr)
+        return 1
+    counts = [int(n) for n in (args.nodes or ("1,2" if args.quick else "1,2,4")).split(",")]
+    modes = args.mode or ["diloco"]
+    wan = {"delay_ms": args.rtt / 2, "loss_pct": args.loss, "rate_mbit": args.rate}
+    with contextlib.ExitStack() as stack:
+        tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="gpuswarm-scaling-"))
+        data = corpus(Path(tmp) / "stdlib")
+        print(f"plain loop under {args.cpus:g} CPU ...", file=sys.stderr)
+        plain = run_plain(data, args.target, args.cpus, args.eval_every, args.max_seconds, args.workload)
+        if plain["seconds"] is None:
+            print(f"scaling: the plain loop did not reach {args.target} in {args.max_seconds:g} s", file=sys.stderr)
+            return 1
+        print(f"  {plain['seconds']:.1f} s, {plain['steps']} steps", file=sys.stderr)
+        cases = []
+        for mode in modes:
+            for n in counts:
+                print(f"{n} node(s), {mode} ...", file=sys.stderr)
+                r = run_swarm(n, data, args.target, mode, args.cpus, wan, args.max_seconds, Path(tmp) / f"{mode}{n}",
+                              args.workload)
+                print(f"  {r['seconds']:.1f} s, {r['steps']} global steps, metric {r['metric']}", file=sys.stderr)
+                cases.append({"nodes": n, "mode": mode, "seconds": r["seconds"], "steps": r["steps"],
+                              "final_metric": r["metric"], "throttled_seconds": r["throttled_seconds"]})
+        for mode in modes:
+            one = next((c["seconds"] for c in cases if c["mode"] == mode and c["nodes"] == 1), None)
+            for c in cases:
+                if c["mode"] == mode:
+                    c["speedup"] = one / c["seconds"] if one else float("nan")
+    if args.json:
+        print(json.dumps({"nodes": 0, "mode": "plain", "seconds": plain["seconds"], "steps": plain["steps"],
+                          "final_metric": plain["metric"], "speedup": None}))
+        for c in cases:
+            print(json.dumps(c))
+    text = table(cases, args, plain, draw=not args.no_write)
+    if not args.json:
+        print(text)
+    if not args.no_write:
+        with open(ROOT / "docs" / "benchmarks.md", "a") as f:
+            f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

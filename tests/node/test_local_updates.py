@@ -1,0 +1,167 @@
+"""DiLoCo's inner loop (gpuswarm.node.local_updates) against a real hivemind.Optimizer: the pseudo-gradient that
+hivemind averages is exactly anchor − inner, whichever step ends the epoch and whatever the batch sizes; two real
+peers end a round with the same parameters, the outer step of their averaged deltas; and the round-size choice
+stays in its bounds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import hivemind
+import pytest
+import torch
+from gpuswarm.node.local_updates import (
+    MAX_INNER_STEPS,
+    MAX_ROUND_COMPUTE,
+    MIN_INNER_STEPS,
+    MIN_ROUND_COMPUTE,
+    LocalUpdates,
+    choose_inner_steps,
+    first_round_estimate,
+)
+from gpuswarm.proto.trainer import OptimizerSpec
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.mpfuture import MPFuture
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hivemind_backend():
+    """Start hivemind's MPFuture backend (and torch's shared-memory manager) before any test, so that conftest's
+    guard against leftover children never kills the manager under a later test (see tests/node/test_attest.py)."""
+    MPFuture()
+    yield
+
+
+class Peer:
+    """One member: an anchor that hivemind owns with the outer optimizer, and the inner loop over a copy."""
+
+    def __init__(self, dht, run_id: str, target: int, outer: OptimizerSpec, seed: int = 0):
+        torch.manual_seed(seed)
+        self.anchor = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+        torch.manual_seed(0)  # every peer starts from the same anchor, as a run's members do
+        with torch.no_grad():
+            for p in self.anchor:
+                p.copy_(torch.randn_like(p))
+        self.grads = [torch.zeros_like(p) for p in self.anchor]
+        self.local = LocalUpdates(self.anchor, self.grads, OptimizerSpec(name="adamw", lr=0.05))
+        self.optimizer = hivemind.Optimizer(
+            dht=dht, run_id=run_id, target_batch_size=target, batch_size_per_step=4, params=self.anchor,
+            optimizer=outer.build, matchmaking_time=1.0, averaging_timeout=10.0,
+            tracker_opts={"private_key": RSAPrivateKey(), "max_refresh_period": 0.5},
+            averager_opts={"request_timeout": 1.0}, verbose=False)
+
+    def step(self, batch: int, rng: torch.Generator) -> None:
+        for g in self.grads:
+            g.copy_(torch.randn(g.shape, generator=rng))
+        self.local.step(batch)
+        self.optimizer.step(batch_size=batch)
+
+
+def test_a_solo_round_with_outer_sgd_at_rate_one_lands_exactly_on_the_inner_parameters():
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peer = Peer(dht, "local_updates_solo", target=40, outer=OptimizerSpec(name="sgd", lr=1.0))
+    try:
+        rng = torch.Generator().manual_seed(1)
+        batches = [4, 4, 3, 5, 4, 2, 6, 4, 4, 4, 4, 4]  # uneven batches: hivemind weighs them; the sum must not
+        inner_before = None
+        for batch in batches:
+            epoch = peer.optimizer.local_epoch
+            inner_before = [p.detach().clone() for p in peer.local.params]
+            peer.step(batch, rng)
+            if peer.optimizer.local_epoch != epoch:
+                break
+        else:
+            pytest.fail("the epoch never ended")
+        # anchor − 1.0 × (anchor − inner) == inner: the step that ended the epoch included its own inner step.
+        inner_at_end = [p.detach().clone() for p in peer.local.params]
+        assert not all(torch.equal(a, b) for a, b in zip(inner_before, inner_at_end, strict=True))
+        for anchor, inner in zip(peer.anchor, inner_at_end, strict=True):
+            torch.testing.assert_close(anchor.detach(), inner, rtol=1e-5, atol=1e-5)
+        peer.local.restart()
+        for anchor, inner in zip(peer.anchor, peer.local.params, strict=True):
+            assert torch.equal(anchor.detach(), inner.detach())
+    finally:
+        peer.optimizer.shutdown()
+        dht.shutdown()
+
+
+def test_two_peers_end_a_round_on_the_same_parameters_the_outer_step_of_their_average():
+    root = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=root.get_visible_maddrs())
+            for _ in range(2)]
+    peers = [Peer(dht, "local_updates_pair", target=64, outer=OptimizerSpec(name="sgd", lr=1.0), seed=i)
+             for i, dht in enumerate(dhts)]
+    inner_at_end: list[list[torch.Tensor] | None] = [None, None]
+    errors: list[BaseException] = []
+
+    def train(i: int) -> None:
+        try:
+            rng = torch.Generator().manual_seed(10 + i)
+            peer = peers[i]
+            peer.step(4, rng)  # a tracker publishes its peer once it has samples: both must see two peers first
+            while peer.optimizer.tracker.global_progress.num_peers < 2:
+                time.sleep(0.1)
+            for _ in range(200):
+                epoch = peer.optimizer.local_epoch
+                peer.step(4, rng)
+                if peer.optimizer.local_epoch != epoch:
+                    inner_at_end[i] = [p.detach().clone() for p in peer.local.params]
+                    return
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not errors, errors
+        assert all(inner is not None for inner in inner_at_end), "a peer never ended the round"
+        # Both took the same averaged outer step: same anchor, and (outer SGD at rate 1) it lies between the two
+        # peers' inner parameters, at their sample-weighted mean, not at either one's own.
+        for a, b in zip(peers[0].anchor, peers[1].anchor, strict=True):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-4)
+        own = [torch.allclose(peers[0].anchor[0].detach(), inner[0], atol=1e-4) for inner in inner_at_end]
+        assert not any(own), "the round did not average: a peer kept its own inner parameters"
+    finally:
+        for peer in peers:
+            peer.optimizer.shutdown()
+        for dht in [*dhts, root]:
+            dht.shutdown()
+
+
+@given(step=st.floats(1e-4, 100), round_=st.floats(0, 1000), fixed=st.none() | st.integers(1, 100_000))
+def test_inner_steps_stay_in_bounds_and_a_fixed_count_wins(step, round_, fixed):
+    h = choose_inner_steps(step, round_, fixed)
+    if fixed is not None:
+        assert h == fixed
+        return
+    assert MIN_INNER_STEPS <= h <= MAX_INNER_STEPS
+    if MIN_INNER_STEPS < h < MAX_INNER_STEPS:
+        # the round's compute is between the bounds and at least three times the averaging, within one step
+        assert MIN_ROUND_COMPUTE <= h * step < MAX_ROUND_COMPUTE + step
+        assert h * step >= min(3 * round_, MAX_ROUND_COMPUTE) - 1e-9
+
+
+@given(step=st.floats(1e-3, 10), a=st.floats(0, 100), b=st.floats(0, 100))
+def test_a_slower_round_never_means_fewer_inner_steps(step, a, b):
+    slow, fast = max(a, b), min(a, b)
+    assert choose_inner_steps(step, slow) >= choose_inner_steps(step, fast)
+
+
+def test_nonsense_timings_fall_back_to_the_minimum():
+    assert choose_inner_steps(0.0, 5.0) == MIN_INNER_STEPS
+    assert choose_inner_steps(float("nan"), 5.0) == MIN_INNER_STEPS
+    assert choose_inner_steps(0.1, float("inf")) == choose_inner_steps(0.1, 0.0)
+
+
+def test_the_first_round_estimate_grows_with_the_model_and_the_members():
+    assert first_round_estimate(1_000_000, 3.0, 1) == 3.0  # alone: no transfer
+    assert first_round_estimate(1_000_000, 3.0, 4) > first_round_estimate(1_000_000, 3.0, 2) > 3.0
+    assert first_round_estimate(10_000_000, 3.0, 2) > first_round_estimate(1_000_000, 3.0, 2)
