@@ -38,6 +38,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "scripts")]
 import charts  # noqa: E402
 import meshswarm  # noqa: E402
 import netlab  # noqa: E402
+from split import corpus  # noqa: E402  (tinylm's text, for nodes and plain loop alike)
 
 TINYLM = {"context": 64, "d_model": 192, "n_layer": 3, "n_head": 6, "batch_size": 32, "learning_rate": 0.005,
           "val_windows": 32}
@@ -93,17 +94,6 @@ def quota_unavailable() -> str | None:
 
 
 # ---- the data and the plain loop -------------------------------------------------------------------------------
-
-def corpus(directory: Path) -> Path:
-    """The standard library's top-level modules (about 5 MB of Python): tinylm's text, for nodes and loop alike."""
-    import sysconfig
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    directory.mkdir(parents=True, exist_ok=True)
-    for path in sorted(stdlib.glob("*.py")):
-        (directory / path.name).write_bytes(path.read_bytes())
-    return directory
-
 
 def job_source(workload: str) -> dict:
     """The job spec's fields that name the workload: tinylm's code and params, or a built-in's name."""
