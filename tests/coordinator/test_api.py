@@ -317,6 +317,10 @@ async def test_malformed_json_is_400(client: TestClient, path: str, body: bytes)
     pytest.param({"workload": "digits-mlp", "max_price_per_gpu_hour": -1}, id="negative-price"),
     pytest.param({"workload": "digits-mlp", "name": "x" * 129}, id="name-too-long"),
     pytest.param({"workload": ""}, id="workload-empty"),
+    pytest.param({"workload": "digits-mlp", "training": {"mode": "async"}}, id="training-mode-unknown"),
+    pytest.param({"workload": "digits-mlp", "training": {"inner_steps": 0}}, id="inner-steps-zero"),
+    pytest.param({"workload": "digits-mlp", "training": {"outer_momentum": 1.5}}, id="outer-momentum-above-1"),
+    pytest.param({"workload": "digits-mlp", "training": {"compression": "zip"}}, id="compression-unknown"),
 ])
 async def test_job_spec_with_wrong_types_or_missing_fields_is_422(client: TestClient, spec: Any):
     # Sent as raw text: aiohttp's json=None would mean "no body" rather than the JSON literal null.

@@ -89,6 +89,14 @@ def test_job_spec_rejects_min_nodes_above_max_nodes():
     {"stop": {"target_accuracy": 1.5}},
     {"stop": {"max_epochs": 0}},
     {"min_nodes": 0},
+    {"training": {"mode": "async"}},
+    {"training": {"inner_steps": 0}},
+    {"training": {"inner_steps": "many"}},
+    {"training": {"outer_learning_rate": 0}},
+    {"training": {"outer_learning_rate": float("nan")}},
+    {"training": {"outer_momentum": 1.0}},
+    {"training": {"outer_momentum": -0.1}},
+    {"training": {"compression": "4bit"}},
 ])
 def test_job_spec_rejects_out_of_bounds_values(kw):
     with pytest.raises(ValidationError):
@@ -306,3 +314,10 @@ def test_error_details_strip_pydantic_prefixes():
     assert found["workload"].startswith("unknown workload 'resnet-9000'")
     assert problems(JobSpec, {"workload": "digits-mlp", "min_nodes": 3, "max_nodes": 2})[""] == (
         "min_nodes (3) is greater than max_nodes (2)")
+
+
+def test_training_mode_defaults_to_local_updates():
+    options = spec().training
+    assert (options.mode, options.inner_steps, options.outer_learning_rate, options.outer_momentum,
+            options.compression) == ("diloco", None, 1.0, 0.0, "fp16")
+    assert spec(training={"mode": "sync", "inner_steps": 8}).training.mode == "sync"
