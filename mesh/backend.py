@@ -4,11 +4,10 @@
   failed on our machines), waits for its UAPI socket, configures it through `gpuswarm.mesh.uapi` (incremental per
   peer, never `replace_peers`), and sets the address and link state with pyroute2 (netlink, no `ip` commands).
   It works inside a network namespace: everything it does acts on the namespace the process runs in.
-  If wireguard-go exits on its own, nothing restarts it: its TUN device, and so the interface, go with it;
-  `is_running()` turns False, and every later call but `down()` raises BackendError with the exit code and the
-  tail of wireguard-go's output. The node daemon (`gpuswarm.node.meshlink`) logs those errors and retries its
-  calls, but does not bring the interface back: the node is off the mesh until the daemon restarts. No
-  supervisor rebuilds it yet.
+  If wireguard-go exits on its own, its TUN device, and so the interface, go with it: `is_running()` turns
+  False, and every later call but `down()` and `revive()` raises BackendError with the exit code and the tail of
+  wireguard-go's output. `revive()` starts it again with the same key, port, address and MTU; the peers are the
+  caller's to apply again (the node's supervisor, the path keeper in `gpuswarm.node.meshlink`, does both).
 - `KernelBackend` drives the in-kernel WireGuard through pyroute2's netlink support. Minimal, and NOT exercised
   by the test suite: the development and CI machines have no wireguard kernel module.
 
@@ -191,6 +190,11 @@ class MeshBackend(abc.ABC):
         """Whether the interface is up. For wireguard-go, False once the process has exited; nothing in gpuswarm
         polls this yet, so a dead interface is noticed only by the next call's BackendError."""
 
+    def revive(self) -> bool:
+        """Bring the interface back after its process died, with the settings of `up` and no peers. Returns
+        whether it did (False: it was running, or this backend has no process that can die)."""
+        return False
+
     def __enter__(self) -> MeshBackend:
         return self
 
@@ -232,6 +236,8 @@ class UserspaceBackend(MeshBackend):
         self._proc: subprocess.Popen | None = None
         self._output: Any = None  # a temporary file holding wireguard-go's stdout/stderr
         self._lock = threading.RLock()
+        self._settings: tuple[str, int, int, str] | None = None  # what `up` set: address, prefix, port, key
+        self.restarts = 0
 
     @property
     def pid(self) -> int | None:
@@ -301,17 +307,34 @@ class UserspaceBackend(MeshBackend):
         with self._lock:
             if self._proc is not None:
                 raise BackendError(f"{self.interface} is already up")
-            try:
-                self._start_process()
-                try:
-                    self.uapi.configure_device(private_key=private_key, listen_port=listen_port)
-                except UAPIError as e:
-                    raise BackendError(f"cannot configure {self.interface} (port {listen_port}): {e}") from None
-                _configure_link(self.interface, address, prefixlen, self.mtu)
-            except BaseException:
-                self.down(self.stop_timeout)
-                raise
+            self._bring_up(address, prefixlen, listen_port, private_key)
         logger.info("mesh interface %s up: %s/%d, port %d", self.interface, address, prefixlen, listen_port)
+
+    def _bring_up(self, address: str, prefixlen: int, listen_port: int, private_key: str) -> None:
+        try:
+            self._start_process()
+            try:
+                self.uapi.configure_device(private_key=private_key, listen_port=listen_port)
+            except UAPIError as e:
+                raise BackendError(f"cannot configure {self.interface} (port {listen_port}): {e}") from None
+            _configure_link(self.interface, address, prefixlen, self.mtu)
+        except BaseException:
+            self._stop(self.stop_timeout)
+            raise
+        self._settings = (address, prefixlen, listen_port, private_key)
+
+    def revive(self) -> bool:
+        with self._lock:
+            if self._settings is None or self.is_running():
+                return False
+            code = self._proc.returncode if self._proc is not None else None
+            tail = self._output_tail(500)
+            self._stop(self.stop_timeout)  # reaps it, tidies a stale socket, closes its output file
+            logger.warning("wireguard-go for %s exited (%s%s); starting it again", self.interface,
+                           "a restart failed" if code is None else f"exit {code}", f": {tail}" if tail else "")
+            self._bring_up(*self._settings)
+            self.restarts += 1
+            return True
 
     def _check_alive(self) -> None:
         if self._proc is None:
@@ -351,6 +374,11 @@ class UserspaceBackend(MeshBackend):
         return self._proc is not None and self._proc.poll() is None
 
     def down(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            self._settings = None  # down on purpose: nothing to revive
+            self._stop(timeout)
+
+    def _stop(self, timeout: float) -> None:
         with self._lock:
             proc, self._proc = self._proc, None
             if proc is not None:

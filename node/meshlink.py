@@ -16,6 +16,10 @@ survive). The rules (try the next candidate after 6 s without a handshake or ech
 every 5 min, fail over after 3 lost echoes or 180 s without a handshake) and why are in `gpuswarm.mesh.paths`.
 Each peer's path state, chosen endpoint and RTT go into mesh.json; `peer_rtts()` gives the RTTs by node id, and
 `device_peers()` the device's latest per-peer handshake and byte counters (for metrics).
+
+Supervision: the path keeper also checks every tick that the interface's process lives; when wireguard-go has
+exited it brings the interface back (`MeshBackend.revive`) and applies every peer again on the endpoint its path
+had, and mesh.json counts the restarts.
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ class MeshLink:
         self._paths_task: asyncio.Task | None = None
         self._status_written = 0.0
         self._status_signature: object = None
+        self.restarts = 0  # times the supervisor brought the interface back
 
     @property
     def address(self) -> str | None:
@@ -185,6 +190,8 @@ class MeshLink:
         while True:
             started = time.monotonic()
             try:
+                if not self._backend.is_running():
+                    await self._revive()
                 await self._check_paths()
                 failures = 0
             except asyncio.CancelledError:
@@ -194,6 +201,20 @@ class MeshLink:
                 if failures in (1, 10) or failures % 100 == 0:  # a gone device would otherwise flood the log
                     logger.warning("mesh path check failed (%d in a row): %s", failures, e)
             await asyncio.sleep(max(0.0, self.tick_s - (time.monotonic() - started)))
+
+    async def _revive(self) -> None:
+        """The supervisor: wireguard-go died, so start it again and put every peer back on its path's endpoint
+        (setting the keepalive sends one at once, so handshakes resume within a second or two)."""
+        async with self._lock:
+            if not await asyncio.to_thread(self._backend.revive):
+                return
+            desired = [self._peer_config(self._peers[key], state.endpoint) for key, state in self._paths.items()
+                       if key in self._peers]
+            await asyncio.to_thread(self.agent.reconcile, desired)
+            self.restarts += 1
+            logger.warning("mesh interface %s restarted (%d so far); %d peer(s) applied again",
+                           self._backend.interface, self.restarts, len(desired))
+            self._write_status_file(force=True)
 
     async def _probe(self, due: dict[str, PathState]) -> tuple[bool, dict[str, float]]:
         """Echo the due peers through the tunnel: (whether echoes went out, RTT in ms by public key of those that
@@ -284,6 +305,7 @@ class MeshLink:
             return
         status = {"interface": self._backend.interface, "backend": self._backend.kind, "address": self.address,
                   "cidr": self.config.cidr, "listen_port": self.listen_port, "version": self.config.version,
+                  "restarts": self.restarts,
                   "updated_at": round(time.time(), 3),
                   "peers": {p.public_key: {"node_id": p.node_id, "address": p.address, "endpoints": p.endpoints,
                                            "path": self._path_status(p.public_key)}
@@ -293,12 +315,17 @@ class MeshLink:
         tmp.replace(self.state_dir / "mesh.json")
         self._status_signature, self._status_written = signature, time.monotonic()
 
-    async def close(self) -> None:
+    async def stop_keeping(self) -> None:
+        """Stop the path keeper (and with it the supervisor): a node shutting down must not bring back a
+        wireguard-go that the same SIGTERM stopped."""
         if self._paths_task is not None:
             self._paths_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(self._paths_task, timeout=5.0)
             self._paths_task = None
+
+    async def close(self) -> None:
+        await self.stop_keeping()
         if self._backend is not None and self.agent is not None:
             await asyncio.to_thread(self._backend.down)
             logger.info("mesh interface %s down", self._backend.interface)

@@ -7,6 +7,11 @@ mesh. The tests share one swarm and run in file order: join, job, late join, res
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
+
 import netlab
 import pytest
 from gpuswarm.mesh.uapi import UAPIClient
@@ -105,6 +110,33 @@ def test_endpoint_change_is_picked_up(mesh_swarm):
     peer = UAPIClient.for_interface(s.mesh_state(1)["interface"]).get().peer(key)
     assert peer is not None and peer.endpoint == f"{new}:51820"
     assert s.pings(1, s.mesh_state(3)["address"])
+
+
+def test_a_killed_wireguard_go_is_restarted_and_handshakes_resume_within_five_seconds(mesh_swarm):
+    s = mesh_swarm
+    state = s.mesh_state(1)
+    interface, restarts = state["interface"], state["restarts"]
+    pid = int(subprocess.run(["pgrep", "-f", f"wireguard-go -f {interface}$"], capture_output=True, text=True,
+                             check=True).stdout.split()[0])
+    others = {s.wg_key(i) for i in (2, 3, 4)}
+    os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+
+    def resumed() -> bool:
+        try:
+            device = UAPIClient.for_interface(interface).get()
+        except Exception:  # the socket is gone until the supervisor brings the interface back
+            return False
+        fresh = {p.public_key for p in device.peers if p.latest_handshake and p.latest_handshake > killed}
+        return others <= fresh
+
+    wait_for(resumed, 5, "handshakes with every peer after the restart", interval=0.1)
+    took = time.time() - killed
+    assert s.mesh_state(1)["restarts"] == restarts + 1
+    assert "restarted" in s.log("node-1")
+    for i in (2, 3, 4):
+        assert s.pings(1, s.mesh_state(i)["address"]), f"node 1 cannot reach node {i} after the restart"
+    print(f"handshakes with all 3 peers resumed {took:.2f}s after kill -9 of wireguard-go")
 
 
 def test_revoked_node_loses_its_links(mesh_swarm):
