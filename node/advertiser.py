@@ -1,8 +1,9 @@
 """The node's DHT presence: a hivemind DHT peer and a signed advert re-declared under a TTL.
 
 Like petals' announcer, it re-declares every `ttl / 3` seconds, warns when a declaration took longer than the
-period, and says goodbye with an OFFLINE advert on shutdown. The advert is signed with the node's identity and
-checked by `gpuswarm.dht.validators.NodeAdvertValidator` on every peer that stores it.
+period, and says goodbye with an OFFLINE advert on shutdown (`goodbye`, bounded: a node stops within 3 s). The
+advert is signed with the node's identity and checked by `gpuswarm.dht.validators.NodeAdvertValidator` on every
+peer that stores it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gpuswarm.proto.models import NodeAdvert, NodeState, Resources
 
 logger = logging.getLogger(__name__)
 DHT_START_TIMEOUT = 60.0
+DHT_STOP_TIMEOUT = 1.0  # seconds the DHT process gets to stop before it is killed (a node stops within 3 s)
 
 
 class Advertiser:
@@ -39,7 +41,7 @@ class Advertiser:
 
         def start_dht():
             dht = SwarmDHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{self.host}/tcp/0"], start=False,
-                           record_validators=[NodeAdvertValidator()])
+                           record_validators=[NodeAdvertValidator()], shutdown_timeout=DHT_STOP_TIMEOUT)
             dht.run_in_background(await_ready=False)
             try:  # bounded: a DHT process that never comes up must not stall the daemon's loop
                 dht.wait_until_ready(timeout=DHT_START_TIMEOUT)
@@ -82,16 +84,24 @@ class Advertiser:
             if took > period:
                 logger.warning("declaring the advert took %.1fs, longer than its %.1fs period", took, period)
 
-    async def shutdown(self) -> None:
+    async def goodbye(self, timeout: float = 1.0) -> None:
+        """Publish the OFFLINE advert, best effort and bounded: the TTL removes the advert anyway."""
         if self._task is not None:
             self._task.cancel()
         if self.dht is None:
             return
         try:
             # hivemind keeps the later-expiring value of a subkey, so the goodbye must not expire sooner.
-            await asyncio.wait_for(self.declare(NodeState.OFFLINE, ttl=max(60.0, self.ttl)), timeout=5)
-        except Exception as e:  # goodbye is best effort: the TTL removes the advert anyway
+            await asyncio.wait_for(self.declare(NodeState.OFFLINE, ttl=max(60.0, self.ttl)), timeout=timeout)
+        except Exception as e:
             logger.warning("could not publish the offline advert: %r", e)
+
+    async def shutdown(self) -> None:
+        """Stop the DHT peer: asked first, killed after DHT_STOP_TIMEOUT (SwarmDHT.terminate)."""
+        if self._task is not None:
+            self._task.cancel()
+        if self.dht is None:
+            return
         await asyncio.get_running_loop().run_in_executor(self._executor, self.dht.shutdown)
         self.dht = None
         # A store that outlived the DHT may still block a thread; asyncio.run must not wait for it at exit.

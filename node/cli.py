@@ -28,7 +28,9 @@ node_app = typer.Typer(help="Run a GPU node daemon.", no_args_is_help=True)
 @node_app.command("start")
 def start(
     coordinator: Annotated[str, typer.Option("--coordinator", "-c", envvar="GPUSWARM_COORDINATOR",
-                                             help="Coordinator base URL.")] = "http://127.0.0.1:8470",
+                                             help="Coordinator base URL; several, comma-separated, to fail "
+                                                  "over between the coordinators of one database.")
+                   ] = "http://127.0.0.1:8470",
     state_dir: Annotated[Path, typer.Option(help="Identity key, outbox and job files.")] = Path("var/node"),
     host: Annotated[str, typer.Option(help="Address hivemind binds and announces (loopback or LAN; the mesh "
                                            "address once the WireGuard mesh exists).")] = "127.0.0.1",

@@ -44,6 +44,7 @@ from gpuswarm import __version__
 logger = logging.getLogger(__name__)
 ENDPOINT_RECHECK = 3.0  # seconds between looks at this host's addresses (mesh endpoint changes)
 STOP_TIMEOUT = 20.0  # seconds a training process gets to leave its averaging round after SIGTERM
+WORKER_STOP_GRACE = 1.5  # ... when the node itself stops (it must be gone within 3 s, systemd's or an operator's)
 
 
 class NodeRevoked(RuntimeError):
@@ -440,31 +441,34 @@ class NodeDaemon:
                 if e.status in (401, 429):
                     return  # transient from our side (clock skew, rate limit): keep it
                 logger.error("round report %s epoch %d refused, dropping it: %s", report.job_id, report.epoch, e)
-            else:
-                for item in result.ignored:
-                    logger.warning("the coordinator ignored a claim of node %s in %s epoch %d: %s",
-                                   item.node_id, report.job_id, report.epoch, item.reason)
+                self.outbox.ack(report, delivered=False)
+                continue
+            for item in result.ignored:
+                logger.warning("the coordinator ignored a claim of node %s in %s epoch %d: %s",
+                               item.node_id, report.job_id, report.epoch, item.reason)
             self.outbox.ack(report)
 
     # ------------------------------------------------------------------------------------------------ shutdown
 
     async def shutdown(self) -> None:
-        """Bounded: stop training, flush what can be flushed, say goodbye to the coordinator and the DHT."""
+        """Bounded, within about 3 s: the training process leaves (killed with everything it started after
+        WORKER_STOP_GRACE) while the coordinator hears that we are stopping and the DHT gets the OFFLINE advert
+        and stops; then the outbox is flushed, the coordinator told we are offline, and the mesh taken down."""
         self.transition(stop_requested=True)
+        if self.mesh is not None:
+            await self.mesh.stop_keeping()
         for task in self._preparing.values():
             task.cancel()
         self._stopping.update(self.runner.running)
-        await self.runner.stop_all(timeout=min(STOP_TIMEOUT, self.config.shutdown_timeout / 2))
+        meanwhile = asyncio.gather(self._tell_coordinator(NodeState.STOPPING), self._leave_dht())
+        await self.runner.stop_all(timeout=min(WORKER_STOP_GRACE, self.config.shutdown_timeout / 2))
         self._collect_exits()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._flush_outbox(), timeout=3)
+            await asyncio.wait_for(self._flush_outbox(), timeout=0.5)
         self.transition(stop_requested=True)
-        if self.registered:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.client.heartbeat(Heartbeat(
-                    node_id=self.identity.node_id, state=NodeState.OFFLINE)), timeout=3)
+        await self._tell_coordinator(NodeState.OFFLINE)
+        await meanwhile
         await self.challenger.stop()
-        await self.advertiser.shutdown()
         if self.mesh is not None:
             self._stop_mesh.set()
             if self._mesh_task is not None:
@@ -474,3 +478,14 @@ class NodeDaemon:
             with contextlib.suppress(Exception):
                 await self.mesh.close()
         logger.info("node %s stopped", self.identity.node_id)
+
+    async def _leave_dht(self) -> None:
+        await self.advertiser.goodbye(timeout=1.0)
+        await self.advertiser.shutdown()
+
+    async def _tell_coordinator(self, state: NodeState, timeout: float = 0.5) -> None:
+        """A last heartbeat, best effort. OFFLINE hands this node's assignments back at once."""
+        if self.registered:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.client.heartbeat(Heartbeat(node_id=self.identity.node_id, state=state)),
+                                       timeout=timeout)

@@ -45,8 +45,26 @@ class Outbox:
                 path.unlink(missing_ok=True)
         return sorted(reports, key=lambda r: (r.job_id, r.epoch))
 
-    def ack(self, report: RoundReport) -> None:
-        self._path(report).unlink(missing_ok=True)
+    def ack(self, report: RoundReport, *, delivered: bool = True) -> None:
+        """Forget a report the coordinator answered. `delivered`: it took the report, so its own claim is noted
+        in `delivered.jsonl` (job, epoch, the claim's signature): the node's own record of what the ledger must
+        hold, which an operator or the fault suite checks the coordinator's books against."""
+        path = self._path(report)
+        if delivered and path.exists():  # once, even if a resend is acknowledged twice
+            own = [c.get("signature") for c in report.claims if isinstance(c, dict)
+                   and isinstance(c.get("payload"), dict) and c["payload"].get("node_id") == report.node_id]
+            line = json.dumps({"job_id": report.job_id, "epoch": report.epoch, "signature": own[0] if own else None})
+            with open(self.directory / "delivered.jsonl", "a") as f:
+                f.write(line + "\n")
+        path.unlink(missing_ok=True)
+
+    def delivered(self) -> list[dict]:
+        """What `ack` noted as delivered, oldest first."""
+        try:
+            lines = (self.directory / "delivered.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in lines if line.strip()]
 
     def _path(self, report: RoundReport) -> Path:
         return self.directory / f"round-{report.job_id}-{report.epoch:012d}.json"

@@ -5,7 +5,8 @@ the node's GPUs it may use (CUDA_VISIBLE_DEVICES: the job's share of the GPUs th
 CPU node) and the sandbox settings for the job's code (sandboxed whenever this node can; a job with its owner's
 code never runs otherwise), reading its JSON-line events, signing its claims with the node's key (the training
 process never holds the key: it asks with a "sign" event and gets the envelope on its stdin, and only this
-node's claims for that job are signed), stopping it within a bounded time (SIGTERM, then SIGKILL), and noticing
+node's claims for that job are signed), stopping it within a bounded time (SIGTERM, then SIGKILL to its process
+group: each training process leads its own, so its averagers, DHT and sandbox go with it), and noticing
 when it crashed. A crash in a job never reaches the daemon: it becomes a failure the daemon reports, with the
 reason the worker gave ("error" event) or its log's tail. The child asks for SIGTERM if the daemon itself dies
 (see `worker.die_with_parent`).
@@ -19,6 +20,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -107,6 +109,9 @@ class JobRunner:
                 # Only the job's GPUs are visible to it ("" on a CPU node: none, even if the machine has some).
                 env=os.environ | {PARENT_PID_ENV: str(os.getpid()),
                                   "CUDA_VISIBLE_DEVICES": ",".join(cuda_ids)},
+                # Its own process group: `stop` can take down everything it started (hivemind's averager
+                # processes, its DHT and p2pd, the sandboxed trainer) with one signal.
+                start_new_session=True,
             )
         finally:
             log.close()
@@ -170,10 +175,12 @@ class JobRunner:
                 logger.exception("ignoring bad event from %s: %.200s", job.assignment.job_id, line)
 
     def exited(self) -> list[tuple[RunningJob, int]]:
-        """Jobs whose process has ended since the last call, with exit codes. They leave `running`."""
+        """Jobs whose process has ended since the last call, with exit codes. They leave `running`, and whatever
+        their process left behind in its group is killed."""
         done = [(job, job.process.returncode) for job in self.running.values() if job.process.returncode is not None]
         for job, _ in done:
             del self.running[job.assignment.job_id]
+            kill_group(job.process.pid)
         return done
 
     def failure_reason(self, job: RunningJob, code: int) -> str:
@@ -185,6 +192,7 @@ class JobRunner:
         return f"training process exited with {code}"
 
     async def stop(self, job_id: str, timeout: float = 10.0) -> None:
+        """SIGTERM the training process; after `timeout` seconds SIGKILL its whole process group."""
         job = self.running.get(job_id)
         if job is None:
             return
@@ -194,14 +202,20 @@ class JobRunner:
             try:
                 await asyncio.wait_for(job.process.wait(), timeout)
             except TimeoutError:
-                logger.warning("training process of %s ignored SIGTERM for %.0fs; killing it", job_id, timeout)
-                with contextlib.suppress(ProcessLookupError):
-                    job.process.kill()
+                logger.warning("training process of %s did not stop %.1fs after SIGTERM; killing it", job_id, timeout)
+                kill_group(job.process.pid)
                 await job.process.wait()
+        kill_group(job.process.pid)  # its averagers, DHT and trainer, if they outlived it
         if job.reader is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(job.reader, 2)
+                await asyncio.wait_for(job.reader, 1)
         logger.info("stopped training %s", job_id)
 
     async def stop_all(self, timeout: float = 10.0) -> None:
         await asyncio.gather(*(self.stop(job_id, timeout) for job_id in list(self.running)))
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a training process's group (it leads its own session, see `JobRunner._start`)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

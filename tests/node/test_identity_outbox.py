@@ -99,6 +99,8 @@ def test_outbox_add_pending_ack(tmp_path):
     assert box.pending() == [reports[0], reports[2]]
     box.ack(reports[1])  # a second ack (resend acknowledged twice) is harmless
     assert Outbox(tmp_path / "outbox").pending() == [reports[0], reports[2]]  # survives a restart
+    box.ack(reports[2], delivered=False)  # refused and dropped: not in the node's record of delivered claims
+    assert box.delivered() == [{"job_id": JOB, "epoch": 10, "signature": reports[1].claims[0]["signature"]}]
     assert all(mode(p) == 0o600 for p in (tmp_path / "outbox").glob("round-*.json"))
 
 
