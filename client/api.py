@@ -147,9 +147,23 @@ class CoordinatorClient:
 
     def __init__(self, base_url: str = DEFAULT_URL, signer: Signer | None = None, *, token: str | None = None,
                  timeout: float = 10.0):
-        self.base_url = base_url.rstrip("/")
+        # Several coordinators of one database, comma-separated: calls go to one, and move to the next when it
+        # cannot be reached (`_fail_over`).
+        self.urls = [u.strip().rstrip("/") for u in base_url.split(",") if u.strip()] or [DEFAULT_URL]
+        self._current = 0
         self.signer, self.token, self.timeout = signer, token, timeout
         self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.urls[self._current]
+
+    def _fail_over(self) -> bool:
+        """Move to the next coordinator URL, if there is another. Returns whether it moved."""
+        if len(self.urls) == 1:
+            return False
+        self._current = (self._current + 1) % len(self.urls)
+        return True
 
     async def __aenter__(self) -> CoordinatorClient:
         self._session = aiohttp.ClientSession()
@@ -217,14 +231,23 @@ class CoordinatorClient:
             timeout = self.timeout
         else:
             limits = aiohttp.ClientTimeout(total=timeout)
-        try:
-            async with self._session_for_call() as session, session.request(
-                    method, self.base_url + path, json=body, data=data, params=params,
-                    headers=self._headers(headers), timeout=limits) as response:
-                raw = await response.read()
-                status = response.status
-        except (aiohttp.ClientError, OSError) as e:  # TimeoutError is an OSError
-            raise self._unreachable(e, timeout) from None
+        for attempt in range(len(self.urls)):
+            try:
+                async with self._session_for_call() as session, session.request(
+                        method, self.base_url + path, json=body, data=data, params=params,
+                        headers=self._headers(headers), timeout=limits) as response:
+                    raw = await response.read()
+                    status = response.status
+                break
+            except (aiohttp.ClientError, OSError) as e:  # TimeoutError is an OSError
+                error = self._unreachable(e, timeout)
+                # Refused before anything was sent: the same call goes to the next coordinator at once. Any other
+                # failure may have reached the database (a signed message's nonce is then spent): the next call
+                # goes there instead.
+                moved = self._fail_over()
+                if not (moved and isinstance(e, aiohttp.ClientConnectorError) and data is None
+                        and attempt < len(self.urls) - 1):
+                    raise error from None
         if status >= 400:
             raise self._refusal(status, raw, what)
         try:
@@ -353,7 +376,9 @@ class CoordinatorClient:
                             progress(received)
         except (aiohttp.ClientError, TimeoutError) as e:
             tmp.unlink(missing_ok=True)
-            raise self._unreachable(e, self.timeout) from None
+            error = self._unreachable(e, self.timeout)
+            self._fail_over()
+            raise error from None
         except OSError as e:  # the local file (TimeoutError, an OSError too, is caught above)
             tmp.unlink(missing_ok=True)
             raise ApiError(f"cannot write {tmp}: {e}") from None

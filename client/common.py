@@ -20,7 +20,8 @@ from gpuswarm.console import fail
 T = TypeVar("T")
 
 CoordinatorURL = Annotated[str, typer.Option("--coordinator", "-c", envvar="GPUSWARM_COORDINATOR",
-                                             help="Coordinator base URL.")]
+                                             help="Coordinator base URL; several, comma-separated, to fail over "
+                                                  "between the coordinators of one database.")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 OwnerToken = Annotated[str | None, typer.Option("--token", envvar="GPUSWARM_TOKEN",
                                                 help="Your API token (gso_...), from `coordinator create-owner`.")]

@@ -1,16 +1,20 @@
 """Assembly of the coordinator's aiohttp application and its background work.
 
 Owns the configuration, the `cleanup_ctx` steps (database and blob store, heartbeat batcher, DHT bootstrap peer, the
-supervisor loop) and the loop itself: marking silent nodes offline, losing their assignments, running the matcher,
-settling ended jobs, reading progress from the DHT, forgetting expired nonces, and every `blob_sweep_interval` the
-blob store's retention pass (`blobs.sweep`). Request handling lives in the `views`
-package; a job the matcher starts moves through `jobs.apply`. This module only wires things together.
+supervisor loop) and the loop itself, which does its work only while this process leads (`coordinator.leader`;
+a new leader, like a restarted coordinator, gives nodes a node timeout before it loses any): marking silent nodes
+offline, losing their assignments, running the matcher, settling ended jobs, reading progress from the DHT,
+forgetting expired nonces, and every `blob_sweep_interval` the blob store's retention pass (`blobs.sweep`). Every
+coordinator reads the live adverts from the DHT and remembers the nodes' DHT addresses for its next start. Request
+handling lives in the `views` package; a job the matcher starts moves through `jobs.apply`. This module only wires
+things together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -29,8 +33,10 @@ from gpuswarm.coordinator.config import (
     DHT,
     DHT_PEERS,
     HEARTBEATS,
+    LEADERSHIP,
     MESH_VERSION,
     METRICS,
+    NODE_PEERS,
     SESSIONS,
     WAKE,
     CoordinatorConfig,
@@ -46,6 +52,7 @@ from gpuswarm.coordinator.db import (
 )
 from gpuswarm.coordinator.errors import error_middleware
 from gpuswarm.coordinator.heartbeats import HeartbeatBatcher
+from gpuswarm.coordinator.leader import Leadership
 from gpuswarm.coordinator.matcher import JobView, NodeView, match
 from gpuswarm.coordinator.mesh import MeshVersion
 from gpuswarm.coordinator.metrics import CoordinatorMetrics, metrics_middleware, setup_metrics
@@ -81,6 +88,7 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
         # A fresh database and one from an older version both end at the current schema (usually a no-op check).
         await migrate.upgrade(engine)
         app[SESSIONS] = sessionmaker(engine)
+        app[LEADERSHIP] = Leadership(engine)
         if BLOBS not in app:  # a test or an operator may have given an object store
             store = LocalBlobStore(config.blob_dir)
             store.setup()
@@ -90,27 +98,25 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
         await blobs.adopt_legacy_artifacts(app[SESSIONS], app[BLOBS], config.artifact_dir, time.time())
         yield
     finally:
+        if LEADERSHIP in app:
+            await app[LEADERSHIP].close()
         await engine.dispose()
 
 
 async def _dht(app: web.Application) -> AsyncIterator[None]:
-    """The swarm's bootstrap peer. Nodes learn its multiaddrs at registration; it also validates node adverts."""
+    """The swarm's bootstrap peer. Nodes learn its multiaddrs at registration; it also validates node adverts.
+
+    It keeps its identity (`dht.key`) and port (`dht.port`) in the data directory, and the multiaddrs of the
+    nodes it last saw (`dht-peers.json`, from `node_peers`): after a restart it is the same peer at the same
+    address, and it rejoins the nodes' DHT through them instead of starting an empty one of its own."""
     config = app[CONFIG]
-    app[ADVERTS] = {}
+    app[ADVERTS], app[NODE_PEERS] = {}, []
     if not config.start_dht:
         app[DHT_PEERS] = []
         yield
         return
-    from gpuswarm.dht.swarm import SwarmDHT
-    from gpuswarm.dht.validators import NodeAdvertValidator
-    from hivemind.dht.crypto import RSASignatureValidator
-
     loop = asyncio.get_running_loop()
-    dht = await loop.run_in_executor(None, lambda: SwarmDHT(
-        host_maddrs=[f"/ip4/{config.dht_host}/tcp/{config.dht_port}"], start=True,
-        # hivemind signs its progress records (RSASignatureValidator): a reader without it cannot decode them.
-        record_validators=[NodeAdvertValidator(), RSASignatureValidator()],
-    ))
+    dht = await loop.run_in_executor(None, _start_dht, config)
     app[DHT_PEERS] = [str(m) for m in dht.get_visible_maddrs()]
     app[DHT] = dht
     logger.info("DHT bootstrap peer at %s", ", ".join(app[DHT_PEERS]))
@@ -118,6 +124,82 @@ async def _dht(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await loop.run_in_executor(None, dht.shutdown)
+
+
+def _start_dht(config: CoordinatorConfig):
+    from gpuswarm.dht.swarm import SwarmDHT
+    from gpuswarm.dht.validators import NodeAdvertValidator
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.p2p import P2PDaemonError
+
+    port_file, peers_file = config.data_dir / "dht.port", config.data_dir / "dht-peers.json"
+    port = config.dht_port or _saved_port(port_file, config.dht_host)
+    known = list(dict.fromkeys([*config.dht_initial_peers, *_read_json_list(peers_file)]))
+
+    def start(initial_peers: list[str]):
+        return SwarmDHT(
+            host_maddrs=[f"/ip4/{config.dht_host}/tcp/{port}"], start=True, initial_peers=initial_peers,
+            identity_path=str(config.data_dir / "dht.key"), check_if_identity_free=False,
+            ensure_bootstrap_success=False,
+            # hivemind signs its progress records (RSASignatureValidator): a reader without it cannot decode them.
+            record_validators=[NodeAdvertValidator(), RSASignatureValidator()])
+
+    try:
+        dht = start(known)
+    except P2PDaemonError as e:  # p2pd refuses to start when no bootstrap peer answers: start alone
+        if not known:
+            raise
+        logger.info("none of the %d peers seen before the restart answered (%s); starting alone", len(known), e)
+        dht = start([])
+    ports = {int(m.value_for_protocol("tcp")) for m in dht.get_visible_maddrs() if "/tcp/" in str(m)}
+    if len(ports) == 1:
+        port_file.write_text(f"{ports.pop()}\n")
+    return dht
+
+
+def _saved_port(path: Path, host: str) -> int:
+    """The port the DHT used last time if it is still free, else 0 (any)."""
+    import socket
+
+    try:
+        port = int(path.read_text())
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        return port
+    except (OSError, ValueError):
+        return 0
+
+
+def _read_json_list(path: Path) -> list[str]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [str(v) for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+MAX_BOOTSTRAP_NODES = 8  # node peers handed out beside the coordinator's own, and remembered for a restart
+
+
+async def node_peers(sessions: async_sessionmaker[AsyncSession], adverts: dict) -> list[str]:
+    """DHT multiaddrs of a few live nodes, from their signed adverts: only nodes registered here and online."""
+    async with sessions() as session:
+        online = set((await session.scalars(select(Node.id).where(
+            Node.id.in_(list(adverts)), Node.online.is_(True), Node.revoked.is_(False)))).all())
+    maddrs = [m for node_id, advert in adverts.items() if node_id in online and advert.get("state") != "offline"
+              for m in advert.get("maddrs", [])[:2]]
+    return maddrs[:2 * MAX_BOOTSTRAP_NODES]
+
+
+def remember_peers(config: CoordinatorConfig, maddrs: list[str]) -> None:
+    """Keep the live nodes' DHT multiaddrs for the next start (atomically: a crash leaves the old list)."""
+    if not maddrs:
+        return
+    path = config.data_dir / "dht-peers.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(maddrs))
+    os.replace(tmp, path)
 
 
 async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
@@ -140,17 +222,23 @@ async def _supervisor(app: web.Application) -> AsyncIterator[None]:
 
 async def supervise(app: web.Application) -> None:
     """Run `tick` every loop_interval, or sooner when a request wakes it. One failed tick never ends the loop."""
-    config = app[CONFIG]
+    config, leadership = app[CONFIG], app[LEADERSHIP]
     last_observe = last_sweep = 0.0
     while True:
         try:
-            if await tick(app[SESSIONS], config, time.time(), app[METRICS], app[BLOBS]):
+            leading = await leadership.check()
+            # Nodes get a full node_timeout from when this process began to lead to reach it (see `tick`).
+            if leading and await tick(app[SESSIONS], config, time.time(), app[METRICS], app[BLOBS],
+                                      since=leadership.since):
                 await app[MESH_VERSION].bump()  # nodes went offline: their peers drop them
             if DHT in app and time.monotonic() - last_observe > 5.0:
                 last_observe = time.monotonic()
                 app[ADVERTS] = await observe_adverts(app[DHT])
-                await observe_progress(app[SESSIONS], app[DHT])
-            if time.monotonic() - last_sweep >= config.blob_sweep_interval:
+                app[NODE_PEERS] = await node_peers(app[SESSIONS], app[ADVERTS])
+                remember_peers(config, app[NODE_PEERS])
+                if leading:
+                    await observe_progress(app[SESSIONS], app[DHT])
+            if leading and time.monotonic() - last_sweep >= config.blob_sweep_interval:
                 last_sweep = time.monotonic()
                 await blobs.sweep(app[SESSIONS], app[BLOBS], app[BLOB_LOCK], time.time(), config.blob_retention)
         except asyncio.CancelledError:
@@ -209,12 +297,17 @@ async def observe_progress(sessions: async_sessionmaker[AsyncSession], dht) -> N
 
 
 async def tick(sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig, now: float,
-               metrics: CoordinatorMetrics | None = None, store: BlobStore | None = None) -> list[str]:
+               metrics: CoordinatorMetrics | None = None, store: BlobStore | None = None,
+               since: float = 0.0) -> list[str]:
     """One pass of the coordinator's bookkeeping. Returns the ids of nodes it found silent and took offline.
-    `store`: where settlement writes a job's TensorBoard file (None: the local store under the data dir)."""
+    `store`: where settlement writes a job's TensorBoard file (None: the local store under the data dir).
+    `since`: when this process began running ticks. A node is silent only when it has not been heard from for
+    node_timeout seconds *and* this process has been up that long: after a restart (or a failover) the nodes
+    that kept training through the outage get a full timeout to find the coordinator again, and keep their
+    assignments."""
     store = store or LocalBlobStore(config.blob_dir)
     async with sessions.begin() as session:
-        silent = await _lose_silent_nodes(session, config, now)
+        silent = await _lose_silent_nodes(session, config, now) if now - since > config.node_timeout else []
         started = time.perf_counter()
         matched = await _match(session, config, now)
         matching_seconds = time.perf_counter() - started
@@ -298,7 +391,10 @@ async def _settle_ended_jobs(session: AsyncSession, config: CoordinatorConfig, n
     """Close the books of jobs that ended at least `settle_grace` seconds ago."""
     ended = (await session.scalars(select(Job).where(
         Job.state.in_([s.value for s in JobState if s.is_final]), Job.settled_at.is_(None),
-        Job.finished_at < now - config.settle_grace))).all()
+        Job.finished_at < now - config.settle_grace)
+        # Locked, and re-checked under the lock: a leader that lost its lock mid-tick and the new one never both
+        # settle a job (PostgreSQL; SQLite has one coordinator).
+        .with_for_update(skip_locked=True))).all()
     for job in ended:
         await ledger.settle(session, job, now)
         session.add(JobEvent(job_id=job.id, at=now, message="settled: unspent budget refunded"))

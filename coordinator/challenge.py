@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from gpuswarm.coordinator.auth import authenticate_node, read_signed
 from gpuswarm.coordinator.challenge_schedule import challenge_due, next_challenge_time
-from gpuswarm.coordinator.config import CONFIG, SESSIONS, CoordinatorConfig
+from gpuswarm.coordinator.config import CONFIG, LEADERSHIP, SESSIONS, CoordinatorConfig
 from gpuswarm.coordinator.db import Challenge, Node
 from gpuswarm.coordinator.errors import BadRequest, Conflict, Forbidden, NotFound, Unprocessable
 from gpuswarm.coordinator.openapi import describe, respond
@@ -293,7 +293,8 @@ async def sweep(app: web.Application) -> None:
     config = app[CONFIG]
     while True:
         try:
-            await expire_challenges(app[SESSIONS], config, time.time())
+            if app[LEADERSHIP].leader:  # one coordinator of a database sweeps (coordinator.leader)
+                await expire_challenges(app[SESSIONS], config, time.time())
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -50,6 +50,12 @@ def serve(
                                                      help="SQLAlchemy async URL (default: SQLite).")] = None,
     dht_host: Annotated[str, typer.Option(help="Address the DHT bootstrap peer binds and announces.")] = "127.0.0.1",
     dht_port: Annotated[int, typer.Option(help="DHT bootstrap peer TCP port (0: any free port).")] = 0,
+    dht_initial_peer: Annotated[list[str] | None, typer.Option(
+        help="Another coordinator's DHT multiaddr to join (repeatable): coordinators of one PostgreSQL database "
+             "share one DHT.")] = None,
+    blob_dir: Annotated[Path | None, typer.Option(
+        help="Where the blob store keeps bytes (default DATA_DIR/blobs). Coordinators of one PostgreSQL database "
+             "share it.")] = None,
     node_timeout: Annotated[float, typer.Option(help="Seconds without heartbeat before a node is lost.")] = 10.0,
     mesh_cidr: Annotated[str, typer.Option(help="Network the nodes' mesh addresses come from.")] = "10.77.0.0/16",
     settle_grace: Annotated[float, typer.Option(help="Seconds after a job ends before its books close: "
@@ -71,7 +77,8 @@ def serve(
     logs.configure(log_level, log_format, "coordinator")
     config = CoordinatorConfig(data_dir=data_dir, database_url=database_url, dht_host=dht_host, dht_port=dht_port,
                                node_timeout=node_timeout, mesh_cidr=mesh_cidr, settle_grace=settle_grace,
-                               owner_quota_bytes=int(owner_quota_gb * 1024**3), blob_retention=blob_retention)
+                               owner_quota_bytes=int(owner_quota_gb * 1024**3), blob_retention=blob_retention,
+                               dht_initial_peers=list(dht_initial_peer or []), blob_store_dir=blob_dir)
     try:
         app = create_app(config)
     except ValueError as e:  # IPAMError for a bad --mesh-cidr

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
@@ -16,6 +16,8 @@ class CoordinatorConfig:
     database_url: str | None = None
     dht_host: str = "127.0.0.1"
     dht_port: int = 0
+    dht_initial_peers: list[str] = field(default_factory=list)  # other coordinators' DHT peers (one database)
+    blob_store_dir: Path | None = None  # default data_dir/blobs; coordinators of one database share one
     heartbeat_interval: float = 2.0
     node_timeout: float = 10.0  # a node silent this long is offline and loses its assignments
     advert_ttl: float = 30.0
@@ -47,7 +49,7 @@ class CoordinatorConfig:
 
     @property
     def blob_dir(self) -> Path:
-        return self.data_dir / "blobs"
+        return self.blob_store_dir or self.data_dir / "blobs"
 
     @property
     def admin_token_file(self) -> Path:
@@ -59,6 +61,7 @@ SESSIONS = web.AppKey("sessions", async_sessionmaker[AsyncSession])
 DHT_PEERS = web.AppKey("dht_peers", list)
 WAKE = web.AppKey("wake", asyncio.Event)
 ADVERTS = web.AppKey("adverts", dict)
+NODE_PEERS = web.AppKey("node_peers", list)  # DHT multiaddrs of live registered nodes (app.bootstrap_peers)
 
 
 DHT = web.AppKey("dht", object)  # the hivemind.DHT bootstrap peer, when started
@@ -67,4 +70,5 @@ ADMIN_TOKEN = web.AppKey("admin_token", str)
 HEARTBEATS = web.AppKey("heartbeats", object)  # coordinator.heartbeats.HeartbeatBatcher
 BLOBS = web.AppKey("blobs", object)  # coordinator.store.BlobStore: where artifact and blob bytes live
 BLOB_LOCK = web.AppKey("blob_lock", asyncio.Lock)  # a blob's row and file change together: uploads vs retention
+LEADERSHIP = web.AppKey("leadership", object)  # coordinator.leader.Leadership: whether this process runs the tick
 METRICS = web.AppKey("metrics", object)  # coordinator.metrics.CoordinatorMetrics (its registry is per app)

@@ -9,14 +9,16 @@ transaction, after authenticating the reporting node.
 Escrow: a job's budget moves from its owner to `escrow:JOB` when the job starts. Each credited claim pays its
 node `credited hours x GPUs x the assignment's clearing price` (the node's ask: a pay-as-bid reverse
 auction) out of that escrow. When the escrow cannot pay, the job ends ("budget exhausted"). Once a job has ended
-and its last reports had time to arrive (`settle_grace`), claims nobody attested are rejected and what is left
-in escrow goes back to the owner.
+and its last reports had time to arrive (`settle_grace`), claims nobody attested are rejected (unpaid, not
+flagged: a round that failed mid-way leaves honest claims unattested) and what is left in escrow goes back to the
+owner.
 
 Credit rule (one claim per node and hivemind epoch, signed by its node, see `proto.models.ContributionClaim`):
 - a claim is credited when another member of its round reported it (it came through the averager's gather), or
   when it is solo and no other node was in the job during its window;
-- several different claims from one node for one epoch are an equivocation: all are flagged, the smallest
-  attested one is credited, the others rejected;
+- several different claims from one node for one epoch over overlapping windows are an equivocation: they are
+  flagged; of all its claims for the epoch the smallest attested one is credited, the others rejected (claims one
+  after the other, from a node that restarted, are not flagged);
 - credited samples are capped by the node's measured throughput (`throughput_cap`): `THROUGHPUT_SLACK` times the
   median rate (samples per second of its window) of the round's other members, scaled by the ratio of
   challenge-measured GFLOP/s, over the claim's own billable window, and never below one round's worth. A solo
@@ -212,6 +214,13 @@ def billable_seconds(claim: Contribution, since: float) -> float:
     return max(0.0, min(claim.window_end, claim.received_at) - max(claim.window_start, since))
 
 
+def overlap(a: Contribution, b: Contribution) -> bool:
+    """Do two claims' windows share time? Two claims of one node for one epoch over the same time are two stories
+    about one piece of work; one after the other they are a retry (a node that restarted re-enters the epoch it
+    left), and only one of them is credited either way."""
+    return a.window_start < b.window_end and b.window_start < a.window_end
+
+
 async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: float) -> list[str]:
     """Credit what can be credited among the job's claims for `epochs`, and pay for it. Returns ledger events."""
     rows = (await session.scalars(select(Contribution).where(
@@ -243,9 +252,9 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
         by_epoch[r.epoch][r.node_id].append(r)
     for epoch, by_node in sorted(by_epoch.items()):
         for node_id, versions in sorted(by_node.items()):
-            if len(versions) > 1:
-                for v in versions:
-                    v.flag = v.flag or f"equivocation: {len(versions)} different claims for epoch {epoch}"
+            for v in versions:
+                if rivals := [w for w in versions if w is not v and overlap(v, w)]:
+                    v.flag = v.flag or f"equivocation: {len(rivals) + 1} different claims for epoch {epoch}"
             if any(v.status == "credited" for v in versions):
                 for v in versions:
                     if v.status == "pending":
@@ -311,10 +320,10 @@ async def settle(session: AsyncSession, job: Job, now: float) -> None:
         if claim.status != "pending":
             continue
         claim.status = "rejected"
+        # Unattested is unpaid, not a lie: a round that failed after its group formed (a partition, a peer that
+        # died mid-round) leaves an honest member's claim unattested, and an unattested claim earns nothing.
         if job.dht_epoch is not None and claim.epoch > job.dht_epoch + DHT_EPOCH_MARGIN:
             claim.flag = claim.flag or "epoch never reached in hivemind's progress records"
-        elif not claim.solo:  # a solo claim beside other members is a failed round, not a lie: unpaid, unflagged
-            claim.flag = claim.flag or "no other member of its round attested it"
     left = await balance(session, escrow_account(job.id))
     await transfer(session, escrow_account(job.id), owner_account(job.owner_id), left, "refund", now,
                    job_id=job.id, memo="unspent budget")

@@ -82,6 +82,7 @@ class Health(ApiModel):
     ok: bool
     version: str
     time: float  # the coordinator's clock
+    leader: bool = False  # this coordinator runs matching, timeouts and settlement (one per database)
 
 
 class DhtPeers(ApiModel):

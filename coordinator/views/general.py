@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from aiohttp import web
 from gpuswarm.coordinator import openapi
-from gpuswarm.coordinator.config import DHT_PEERS
+from gpuswarm.coordinator.config import DHT_PEERS, LEADERSHIP, NODE_PEERS
 from gpuswarm.coordinator.openapi import describe, respond
 from gpuswarm.coordinator.views import shapes
 from gpuswarm.proto import api
@@ -18,8 +18,8 @@ routes = web.RouteTableDef()
 @routes.get("/v1/health")
 @describe(auth="anyone", response=api.Health)
 async def health(request: web.Request) -> web.Response:
-    """Liveness, version and the coordinator's clock."""
-    return respond(api.Health, shapes.health_json())
+    """Liveness, version, the coordinator's clock, and whether it leads (runs matching and settlement)."""
+    return respond(api.Health, shapes.health_json(request.app[LEADERSHIP].leader))
 
 
 @routes.get("/v1/openapi.json")
@@ -32,4 +32,10 @@ async def openapi_document(request: web.Request) -> web.Response:
 @describe(auth="anyone", response=api.DhtPeers)
 async def dht_peers(request: web.Request) -> web.Response:
     """The DHT bootstrap peer's multiaddrs."""
-    return respond(api.DhtPeers, shapes.dht_json(request.app[DHT_PEERS]))
+    return respond(api.DhtPeers, shapes.dht_json(bootstrap_peers(request.app)))
+
+
+def bootstrap_peers(app: web.Application) -> list[str]:
+    """DHT multiaddrs a node or a worker should start from: this coordinator's own, then a few live nodes', so
+    that the swarm's DHT neither hangs on one peer nor splits when the coordinator restarts."""
+    return list(dict.fromkeys([*app[DHT_PEERS], *app[NODE_PEERS]]))

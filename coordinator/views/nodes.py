@@ -15,7 +15,7 @@ from aiohttp import web
 from gpuswarm.coordinator import blobs, reputation
 from gpuswarm.coordinator.auth import authenticate_node, node_refusal, read_signed, require_admin
 from gpuswarm.coordinator.challenge_schedule import after_registration
-from gpuswarm.coordinator.config import ADVERTS, CONFIG, DHT_PEERS, HEARTBEATS, MESH_VERSION, SESSIONS
+from gpuswarm.coordinator.config import ADVERTS, CONFIG, HEARTBEATS, MESH_VERSION, SESSIONS
 from gpuswarm.coordinator.db import AssignmentRow, Job, Node
 from gpuswarm.coordinator.errors import Conflict, NotFound
 from gpuswarm.coordinator.heartbeats import lose_assignments
@@ -23,6 +23,7 @@ from gpuswarm.coordinator.mesh import assign_address, mesh_config, release_addre
 from gpuswarm.coordinator.openapi import describe, respond
 from gpuswarm.coordinator.requests import observed_endpoint
 from gpuswarm.coordinator.views import shapes
+from gpuswarm.coordinator.views.general import bootstrap_peers
 from gpuswarm.coordinator.views.signals import mesh_changed, wake
 from gpuswarm.proto import api
 from gpuswarm.proto.models import (
@@ -78,7 +79,7 @@ async def register(request: web.Request) -> web.Response:
         version = await mesh_changed(request)
         async with request.app[SESSIONS]() as session:
             mesh = await mesh_config(session, await session.get(Node, reg.node_id), config.mesh_cidr, version)
-    response = RegistrationResponse(node_id=reg.node_id, dht_initial_peers=request.app[DHT_PEERS],
+    response = RegistrationResponse(node_id=reg.node_id, dht_initial_peers=bootstrap_peers(request.app),
                                     heartbeat_interval=config.heartbeat_interval, advert_ttl=config.advert_ttl,
                                     mesh=mesh)
     return respond(response)
@@ -151,7 +152,7 @@ async def poll_assignments(request: web.Request) -> web.Response:
             .where(AssignmentRow.node_id == message.node_id, AssignmentRow.state == AssignmentState.ACTIVE.value)
         )).all()
         checkpoints = await blobs.latest_checkpoints(session, [j.id for _, j in rows])
-        body = shapes.assignments_json(rows, request.app[DHT_PEERS], checkpoints)
+        body = shapes.assignments_json(rows, bootstrap_peers(request.app), checkpoints)
     return respond(api.AssignmentList, body)
 
 

@@ -21,8 +21,8 @@ from gpuswarm.proto.models import Assignment, AssignmentState, CheckpointRef, Jo
 from gpuswarm import __version__
 
 
-def health_json() -> dict:
-    return {"ok": True, "version": __version__, "time": time.time()}
+def health_json(leader: bool) -> dict:
+    return {"ok": True, "version": __version__, "time": time.time(), "leader": leader}
 
 
 def job_json(job: Job) -> dict:

@@ -221,9 +221,8 @@ async def test_a_claim_nobody_else_attests_is_never_credited(alice, pair):
     await alice.post(f"/v1/jobs/{job_id}/cancel")
     statement = await wait_settled(alice, job_id)
     row = rows(statement)[a.node_id]
-    # Both rejected; only the claim that said it had a group is flagged (a solo round beside others is a failed
-    # round, not a lie).
-    assert (row["claims"], row["samples"], row["paid"], row["flagged"], row["pending"]) == (2, 0, 0.0, 1, 0)
+    # Both rejected and unpaid; neither flagged (a round that failed, solo or after its group formed, is not a lie).
+    assert (row["claims"], row["samples"], row["paid"], row["flagged"], row["pending"]) == (2, 0, 0.0, 0, 0)
 
 
 async def test_equivocation_is_flagged_and_only_the_attested_version_counts(alice, pair):
@@ -235,6 +234,21 @@ async def test_equivocation_is_flagged_and_only_the_attested_version_counts(alic
     await alice.post(f"/v1/jobs/{job_id}/cancel")
     row = rows(await wait_settled(alice, job_id))[a.node_id]
     assert (row["claims"], row["claimed_samples"], row["samples"], row["flagged"]) == (2, 1000, 100, 2)
+
+
+async def test_a_restarted_node_claiming_its_epoch_again_later_is_not_an_equivocation(alice, pair):
+    """A node that restarts re-enters the epoch it left: a second claim for that epoch, over a later window, is
+    a retry. One of the two is credited, neither is flagged."""
+    a, b, job_id = pair
+    now = time.time()
+    before = claim(a, job_id, 0, samples=100, window_start=now - 60, window_end=now - 50)
+    after = claim(a, job_id, 0, samples=40, window_start=now - 20, window_end=now - 10)
+    await report(alice, a, job_id, [before, claim(b, job_id, 0)])
+    await report(alice, b, job_id, [claim(b, job_id, 0), before])
+    await report(alice, a, job_id, [after])
+    await alice.post(f"/v1/jobs/{job_id}/cancel")
+    row = rows(await wait_settled(alice, job_id))[a.node_id]
+    assert (row["claims"], row["claimed_samples"], row["samples"], row["flagged"]) == (2, 140, 100, 0)
 
 
 async def test_a_claim_beyond_measured_throughput_is_capped_and_flagged(alice, pair):
