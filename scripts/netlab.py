@@ -257,6 +257,11 @@ class NetLab:
                     hint = " (this kernel has no netem qdisc: delay and loss are unavailable; rate alone uses tbf)"
                 raise LabError(f"tc on {ns}/{dev} failed: {result.stderr.strip()}{hint}")
 
+    def isolate(self, i: int, cut: bool = True) -> None:
+        """Cut node i off from every other namespace (its link to the hub goes down), or (`cut=False`) join it
+        again: a partition of one node from the coordinator and its peers alike."""
+        self._ip(self.hub, "link", "set", f"v{i}", "down" if cut else "up")
+
     def start_relay(self, node_port: int | list[int], *, base_port: int = 52000, **impairment) -> Relay:
         """Start the WAN relay (scripts/wanrelay.py) in the hub, at the subnet's last address, with one face per
         node: give node i `relay.endpoint(i)` as the endpoint its peers use. `node_port` is the UDP port each node's
