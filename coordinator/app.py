@@ -194,8 +194,6 @@ async def node_peers(sessions: async_sessionmaker[AsyncSession], adverts: dict) 
 
 def remember_peers(config: CoordinatorConfig, maddrs: list[str]) -> None:
     """Keep the live nodes' DHT multiaddrs for the next start (atomically: a crash leaves the old list)."""
-    if not maddrs:
-        return
     path = config.data_dir / "dht-peers.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(maddrs))
@@ -234,8 +232,10 @@ async def supervise(app: web.Application) -> None:
             if DHT in app and time.monotonic() - last_observe > 5.0:
                 last_observe = time.monotonic()
                 app[ADVERTS] = await observe_adverts(app[DHT])
-                app[NODE_PEERS] = await node_peers(app[SESSIONS], app[ADVERTS])
-                remember_peers(config, app[NODE_PEERS])
+                peers = await node_peers(app[SESSIONS], app[ADVERTS])
+                if peers and peers != app[NODE_PEERS]:
+                    remember_peers(config, peers)
+                app[NODE_PEERS] = peers
                 if leading:
                     await observe_progress(app[SESSIONS], app[DHT])
             if leading and time.monotonic() - last_sweep >= config.blob_sweep_interval:
