@@ -20,8 +20,8 @@ Credit rule (one claim per node and hivemind epoch, signed by its node, see `pro
   flagged; of all its claims for the epoch the smallest attested one is credited, the others rejected (claims one
   after the other, from a node that restarted, are not flagged);
 - credited samples are capped by the node's measured throughput (`throughput_cap`): `THROUGHPUT_SLACK` times the
-  median rate (samples per second of its window) of the round's other members, scaled by the ratio of
-  challenge-measured GFLOP/s, over the claim's own billable window, and never below one round's worth. A solo
+  median rate (samples per second of its window) of the round's other members, scaled up (never down) by the ratio
+  of challenge-measured GFLOP/s, over the claim's own billable window, and never below one round's worth. A solo
   claim is capped at one round's worth. A claim over its cap is flagged, except a node's first credited one;
 - the paid time is the claim's wall-clock window (the node's GPUs were the job's for that long), never before the
   node joined or before its previous paid claim, and scaled like the samples (`billable_seconds`);
@@ -189,8 +189,10 @@ def throughput_cap(claim: Contribution, peers: list[Contribution], gflops: dict[
     """The most samples this claim can be credited with (None: no cap).
 
     The members of a round train side by side, so a member's share follows its speed and the time it trained: it
-    may claim up to `THROUGHPUT_SLACK` times the median of its peers' claims, each scaled by the ratio of
-    challenge-measured GFLOP/s (1 when unknown) and by the ratio of the claims' `windows` (by claim id: seconds of
+    may claim up to `THROUGHPUT_SLACK` times the median of its peers' claims, each scaled up by the ratio of
+    challenge-measured GFLOP/s when that says this node is faster (never down: one challenge's measure is noisy,
+    2-38 GFLOP/s on one machine, and an honest node measured slow must not be flagged; 1 when unknown) and by the
+    ratio of the claims' `windows` (by claim id: seconds of
     its window while its node was in the job): a member that joined a round late, or started training before the
     others arrived, claims in proportion to its time. One round's worth (target batch plus one local batch, in mode
     "sync") is always plausible, which covers a node that trained alone while waiting for its group."""
@@ -200,7 +202,7 @@ def throughput_cap(claim: Contribution, peers: list[Contribution], gflops: dict[
         mine = gflops.get(claim.node_id)
 
         def share(p: Contribution) -> float:
-            speed = mine / theirs if mine and (theirs := gflops.get(p.node_id)) else 1.0
+            speed = max(1.0, mine / theirs) if mine and (theirs := gflops.get(p.node_id)) else 1.0
             mine_s, theirs_s = (windows.get(claim.id, 0.0), windows.get(p.id, 0.0)) if windows else (0.0, 0.0)
             return p.samples * speed * (mine_s / theirs_s if mine_s > 0 and theirs_s > 0 else 1.0)
 

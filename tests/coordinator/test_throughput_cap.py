@@ -27,3 +27,12 @@ def test_a_member_that_trained_longer_than_its_peers_may_claim_in_proportion():
 def test_faster_gpus_scale_the_cap_and_unknown_windows_count_as_equal():
     mine, peer = contribution(1, "a", 0), contribution(2, "b", 100)
     assert throughput_cap(mine, [peer], {"a": 20.0, "b": 10.0}, SPEC, {1: 0.0, 2: 5.0}) == int(200 * THROUGHPUT_SLACK)
+
+
+def test_a_slower_measured_gpu_never_lowers_the_cap():
+    # One challenge's GFLOP/s is noisy (2-38 on one machine): a node measured slower than its peer keeps the
+    # peer's cap, and only a faster measure raises its own.
+    slow, fast = contribution(1, "a", 0), contribution(2, "b", 100)
+    assert throughput_cap(slow, [fast], {"a": 4.0, "b": 35.0}, SPEC) == int(100 * THROUGHPUT_SLACK)
+    assert throughput_cap(fast, [contribution(1, "a", 100)], {"a": 4.0, "b": 35.0}, SPEC) == \
+        int(100 * 35.0 / 4.0 * THROUGHPUT_SLACK)
