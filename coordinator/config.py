@@ -61,7 +61,7 @@ SESSIONS = web.AppKey("sessions", async_sessionmaker[AsyncSession])
 DHT_PEERS = web.AppKey("dht_peers", list)
 WAKE = web.AppKey("wake", asyncio.Event)
 ADVERTS = web.AppKey("adverts", dict)
-NODE_PEERS = web.AppKey("node_peers", list)  # DHT multiaddrs of live registered nodes (app.bootstrap_peers)
+NODE_PEERS = web.AppKey("node_peers", list)  # DHT multiaddrs of live registered nodes (app.node_peers)
 
 
 DHT = web.AppKey("dht", object)  # the hivemind.DHT bootstrap peer, when started

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from aiohttp import web
 from gpuswarm.coordinator import openapi
-from gpuswarm.coordinator.config import DHT_PEERS, LEADERSHIP, NODE_PEERS
+from gpuswarm.coordinator.config import DHT_PEERS, LEADERSHIP
 from gpuswarm.coordinator.openapi import describe, respond
 from gpuswarm.coordinator.views import shapes
 from gpuswarm.proto import api
@@ -36,6 +36,8 @@ async def dht_peers(request: web.Request) -> web.Response:
 
 
 def bootstrap_peers(app: web.Application) -> list[str]:
-    """DHT multiaddrs a node or a worker should start from: this coordinator's own, then a few live nodes', so
-    that the swarm's DHT neither hangs on one peer nor splits when the coordinator restarts."""
-    return list(dict.fromkeys([*app[DHT_PEERS], *app[NODE_PEERS]]))
+    """DHT multiaddrs a node or a worker should start from: this coordinator's own. Not the nodes' too: p2pd
+    waits out the dial timeout (about 15 s) of any bootstrap peer that has gone, and a node's daemon does not
+    heartbeat while its DHT starts, so a stale node address got nodes declared lost (CI, tests/netns). The nodes
+    find each other through the DHT itself; the coordinator remembers them for its own restart (app.node_peers)."""
+    return list(app[DHT_PEERS])
