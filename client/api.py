@@ -33,11 +33,13 @@ from gpuswarm.proto.api import (
     ArtifactList,
     ArtifactStored,
     AssignmentList,
+    AuditAnswer,
     BlobsMissing,
     BlobStored,
     DhtPeers,
     Health,
     HeartbeatAnswer,
+    JobAudits,
     JobContributions,
     JobDetail,
     JobInfo,
@@ -53,6 +55,14 @@ from gpuswarm.proto.api import (
     ProgressCurve,
     RevokeAnswer,
     RoundAnswer,
+)
+from gpuswarm.proto.audits import (
+    EVIDENCE_KIND,
+    FETCH_EVIDENCE_KIND,
+    VERDICT_KIND,
+    AuditVerdict,
+    EvidenceFetch,
+    EvidenceMeta,
 )
 from gpuswarm.proto.models import (
     ENVELOPE_HEADER,
@@ -71,6 +81,7 @@ from gpuswarm.proto.models import (
     is_job_id,
 )
 from gpuswarm.proto.signing import SignedEnvelope
+from gpuswarm.proto.sweeps import SweepDetail, SweepList, SweepSpec, SweepSummary
 from pydantic import BaseModel, ValidationError
 
 if TYPE_CHECKING:
@@ -320,6 +331,22 @@ class CoordinatorClient:
     async def job_statement(self, job_id: str) -> JobStatement:
         return await self._call(JobStatement, "GET", f"/v1/jobs/{_segment(job_id)}/statement")
 
+    async def job_audits(self, job_id: str) -> JobAudits:
+        return await self._call(JobAudits, "GET", f"/v1/jobs/{_segment(job_id)}/audits")
+
+    async def submit_sweep(self, spec: SweepSpec | Mapping[str, Any]) -> SweepSummary:
+        body = spec.model_dump(mode="json") if isinstance(spec, SweepSpec) else dict(spec)
+        return await self._call(SweepSummary, "POST", "/v1/sweeps", body=body)
+
+    async def sweeps(self) -> list[SweepSummary]:
+        return (await self._call(SweepList, "GET", "/v1/sweeps")).sweeps
+
+    async def sweep(self, sweep_id: str) -> SweepDetail:
+        return await self._call(SweepDetail, "GET", f"/v1/sweeps/{_segment(sweep_id)}")
+
+    async def cancel_sweep(self, sweep_id: str) -> SweepSummary:
+        return await self._call(SweepSummary, "POST", f"/v1/sweeps/{_segment(sweep_id)}/cancel")
+
     async def whoami(self) -> OwnerAccount:
         return await self._call(OwnerAccount, "GET", "/v1/owners/me")
 
@@ -429,8 +456,12 @@ class CoordinatorClient:
         return await self._signed(HeartbeatAnswer, "/v1/nodes/heartbeat", "heartbeat", heartbeat)
 
     async def assignments(self) -> list[Assignment]:
-        poll = AssignmentPoll(node_id=self.node_id)
-        return (await self._signed(AssignmentList, "/v1/nodes/assignments", "poll", poll)).assignments
+        return (await self.poll()).assignments
+
+    async def poll(self) -> AssignmentList:
+        """Node: its active assignments, and the audits it must answer or referee."""
+        return await self._signed(AssignmentList, "/v1/nodes/assignments", "poll",
+                                  AssignmentPoll(node_id=self.node_id))
 
     async def mesh_peers(self, since: int) -> MeshConfig:
         """Long-poll: returns when the coordinator's mesh version passes `since` (or after its poll timeout)."""
@@ -467,6 +498,27 @@ class CoordinatorClient:
         return await self._download(f"/v1/jobs/{_segment(job_id)}/blobs/{_segment(sha256)}", dest, expected=sha256,
                                     headers={ENVELOPE_HEADER: envelope.model_dump_json()}, progress=progress,
                                     what=f"blob {sha256[:12]} of job {job_id}")
+
+    # Refereed re-execution (proto/audits.py): an audited node's evidence, a referee's download and verdict.
+
+    async def upload_evidence(self, audit_id: str, path: Path) -> AuditAnswer:
+        sha256, size = await asyncio.to_thread(file_digest, path)
+        envelope = self._envelope(EVIDENCE_KIND, EvidenceMeta(audit_id=audit_id, node_id=self.node_id,
+                                                              sha256=sha256, size=size))
+        return await self._call(AuditAnswer, "PUT", f"/v1/audits/{_segment(audit_id)}/evidence",
+                                data=file_chunks(path, None), timeout=_STREAM,
+                                headers={ENVELOPE_HEADER: envelope.model_dump_json(), "Content-Length": str(size),
+                                         "Content-Type": "application/octet-stream"})
+
+    async def fetch_evidence(self, audit_id: str, sha256: str, dest: Path) -> str:
+        envelope = self._envelope(FETCH_EVIDENCE_KIND, EvidenceFetch(audit_id=audit_id, node_id=self.node_id))
+        return await self._download(f"/v1/audits/{_segment(audit_id)}/evidence", dest, expected=sha256,
+                                    headers={ENVELOPE_HEADER: envelope.model_dump_json()},
+                                    what=f"the evidence of audit {audit_id}")
+
+    async def post_verdict(self, verdict: AuditVerdict) -> AuditAnswer:
+        return await self._signed(AuditAnswer, f"/v1/audits/{_segment(verdict.audit_id)}/verdict", VERDICT_KIND,
+                                  verdict)
 
     # GPU challenge (proto/challenge.py): start when the heartbeat answer asks, commit the root, prove the rows.
 
@@ -554,7 +606,12 @@ class SyncClient:
     progress = _blocking(CoordinatorClient.progress)
     cancel_job = _blocking(CoordinatorClient.cancel_job)
     job_statement = _blocking(CoordinatorClient.job_statement)
+    job_audits = _blocking(CoordinatorClient.job_audits)
     whoami = _blocking(CoordinatorClient.whoami)
+    submit_sweep = _blocking(CoordinatorClient.submit_sweep)
+    sweeps = _blocking(CoordinatorClient.sweeps)
+    sweep = _blocking(CoordinatorClient.sweep)
+    cancel_sweep = _blocking(CoordinatorClient.cancel_sweep)
     download_artifact = _blocking(CoordinatorClient.download_artifact)
     artifacts = _blocking(CoordinatorClient.artifacts)
     missing_blobs = _blocking(CoordinatorClient.missing_blobs)

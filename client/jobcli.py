@@ -1,6 +1,6 @@
 """The job owner's command group, `gpuswarm job ...`: validate, submit, list, status (--follow), logs, cancel,
-artifacts, download and statement, each a client of the coordinator's API (client/api.py) except `validate`, which
-works offline.
+artifacts, download, statement and audits, each a client of the coordinator's API (client/api.py) except
+`validate`, which works offline.
 
 `submit` packs the job's code and dataset (client/jobfile.py, client/pack.py), checks its params locally, uploads
 only the blobs the coordinator lacks (with a progress bar on a terminal) and posts the spec by their hashes. What it
@@ -48,13 +48,14 @@ NoLocalCheck = Annotated[bool, typer.Option(
                              "param then fails on the node.")]
 
 
-def job_of(file: Path | None, overrides: dict[str, Any], params: list[str], local_check: bool = True) -> BuiltJob:
-    """The job file with the flags' overrides, checked and packed (client/jobfile.py), saying on stderr what it
-    packs; a bad one exits 1 saying why."""
+def job_of(file: Path | None, overrides: dict[str, Any], params: list[str], local_check: bool = True,
+           table: dict[str, Any] | None = None) -> BuiltJob:
+    """The job file (or `table`, a job's table from `file`) with the flags' overrides, checked and packed
+    (client/jobfile.py), saying on stderr what it packs; a bad one exits 1 saying why."""
     from gpuswarm.client.jobfile import JobFileError, build_job
 
     try:
-        built = build_job(file, overrides, params, local_check=local_check, on_pack=print_pack)
+        built = build_job(file, overrides, params, local_check=local_check, on_pack=print_pack, table=table)
     except JobFileError as e:
         raise fail(str(e)) from None
     if built.spec.code is not None and not local_check:
@@ -425,6 +426,21 @@ def job_statement(job_id: str, coordinator: CoordinatorURL = DEFAULT_URL, token:
                   f"{s.reserved:.6f}  paid {s.paid:.6f}  refunded {s.refunded:.6f}  in escrow "
                   f"{s.escrow:.6f}  {'settled' if s.settled else 'not settled yet'}")
     print_contributions(s.nodes)
+
+
+@job_app.command("audits")
+def job_audits(job_id: str, coordinator: CoordinatorURL = DEFAULT_URL, token: OwnerToken = None,
+               as_json: JsonFlag = False) -> None:
+    """The job's audits, newest first: whose round a third node re-computed, the outcome, the referees, and why
+    one failed (a failed round bans its node from the job and takes back what it was paid)."""
+    audits = call(SyncClient(coordinator, token=token).job_audits, job_id).audits
+    if as_json:
+        return print_json([dump(a) for a in audits])
+    table = Table("AUDIT", "NODE", "ROUND", "STATE", "REFEREES", "DISTANCE", "REASON", title=f"Audits of {job_id}")
+    for a in audits:
+        table.add_row(a.audit_id, a.node_id, str(a.epoch), a.state, ", ".join(a.referees) or "-",
+                      "-" if a.distance is None else f"{a.distance:.3g}", escape(a.reason) or "-")
+    console.print(table)
 
 
 @job_app.command("validate")

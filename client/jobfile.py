@@ -137,15 +137,17 @@ OnPack = Callable[[str, Pack], None]  # called with "code" or "dataset" as each 
 
 
 def build_job(file: Path | None, overrides: dict[str, Any], params: list[str], *, local_check: bool = True,
-              on_pack: OnPack | None = None, cache: Path | None = None) -> BuiltJob:
+              on_pack: OnPack | None = None, cache: Path | None = None,
+              table: dict[str, Any] | None = None) -> BuiltJob:
     """The job of `file` (TOML; None: flags only) with `overrides` applied and `params` as its params, packed.
 
     `overrides` maps a key path ("budget", "stop.max_epochs") to a value; None values are flags not given and
     leave the file's value alone. `params` are "NAME=VALUE" strings from --param: each value is read as the type
     the built-in workload's schema gives NAME (so "64" is an int for an int parameter), else as JSON, else as text.
     `local_check`: check the params of the owner's code against its schema, in a child process, and post the
-    params as it normalized them. `cache`: the pack cache (default `pack.cache_dir()`)."""
-    job = read_job(file, overrides, params)
+    params as it normalized them. `cache`: the pack cache (default `pack.cache_dir()`). `table`: the job's table
+    when another file holds it (a sweep file's [job]); `file` is then that file, which relative paths start from."""
+    job = read_job(file, overrides, params, table)
     code, dataset = pack_job(job, on_pack, cache)
     normalized = None
     if job.code is not None and local_check:
@@ -162,9 +164,10 @@ def build_spec(file: Path | None, overrides: dict[str, Any], params: list[str], 
 # ---------------------------------------------------------------------------------------------------- reading
 
 
-def read_job(file: Path | None, overrides: dict[str, Any], params: list[str]) -> JobFile:
+def read_job(file: Path | None, overrides: dict[str, Any], params: list[str],
+             table: dict[str, Any] | None = None) -> JobFile:
     """The job file merged with the flags, every key checked (see `build_job`); nothing is packed yet."""
-    table = read_job_file(file) if file is not None else {}
+    table = dict(table) if table is not None else read_job_file(file) if file is not None else {}
     _rename_params(table, file)
     for key, value in overrides.items():
         if value is not None:

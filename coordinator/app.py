@@ -2,8 +2,9 @@
 
 Owns the configuration, the `cleanup_ctx` steps (database and blob store, heartbeat batcher, DHT bootstrap peer, the
 supervisor loop) and the loop itself, which does its work only while this process leads (`coordinator.leader`;
-a new leader, like a restarted coordinator, gives nodes a node timeout before it loses any): marking silent nodes
-offline, losing their assignments, running the matcher, settling ended jobs, reading progress from the DHT,
+a new leader, like a restarted coordinator, gives nodes a node timeout before it loses any): advancing the sweeps
+(`coordinator.sweeps`), marking silent nodes offline, losing their assignments, running the matcher, settling ended
+jobs, reading progress from the DHT,
 forgetting expired nonces, and every `blob_sweep_interval` the blob store's retention pass (`blobs.sweep`). Every
 coordinator reads the live adverts from the DHT and remembers the nodes' DHT addresses for its next start. Request
 handling lives in the `views` package; a job the matcher starts moves through `jobs.apply`. This module only wires
@@ -23,10 +24,25 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from aiohttp import web
-from gpuswarm.coordinator import blobs, challenge, dashboard, jobs, ledger, migrate, reputation, tensorboard, views
+from gpuswarm.coordinator import (
+    audits,
+    authority,
+    blobs,
+    challenge,
+    dashboard,
+    jobs,
+    ledger,
+    migrate,
+    reputation,
+    sweeps,
+    tasks,
+    tensorboard,
+    views,
+)
 from gpuswarm.coordinator.config import (
     ADMIN_TOKEN,
     ADVERTS,
+    AUTHORITY,
     BLOB_LOCK,
     BLOBS,
     CONFIG,
@@ -54,7 +70,7 @@ from gpuswarm.coordinator.errors import error_middleware
 from gpuswarm.coordinator.heartbeats import HeartbeatBatcher
 from gpuswarm.coordinator.leader import Leadership
 from gpuswarm.coordinator.matcher import JobView, NodeView, match
-from gpuswarm.coordinator.mesh import MeshVersion
+from gpuswarm.coordinator.mesh import MeshVersion, update_relays
 from gpuswarm.coordinator.metrics import CoordinatorMetrics, metrics_middleware, setup_metrics
 from gpuswarm.coordinator.store import BlobStore, LocalBlobStore
 from gpuswarm.mesh import ipam
@@ -89,6 +105,7 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
         await migrate.upgrade(engine)
         app[SESSIONS] = sessionmaker(engine)
         app[LEADERSHIP] = Leadership(engine)
+        app[AUTHORITY] = await authority.load(app[SESSIONS], config.dht_cert_ttl)
         if BLOBS not in app:  # a test or an operator may have given an object store
             store = LocalBlobStore(config.blob_dir)
             store.setup()
@@ -116,7 +133,7 @@ async def _dht(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     loop = asyncio.get_running_loop()
-    dht = await loop.run_in_executor(None, _start_dht, config)
+    dht = await loop.run_in_executor(None, _start_dht, config, app[AUTHORITY].public_key)
     app[DHT_PEERS] = [str(m) for m in dht.get_visible_maddrs()]
     app[DHT] = dht
     logger.info("DHT bootstrap peer at %s", ", ".join(app[DHT_PEERS]))
@@ -126,10 +143,9 @@ async def _dht(app: web.Application) -> AsyncIterator[None]:
         await loop.run_in_executor(None, dht.shutdown)
 
 
-def _start_dht(config: CoordinatorConfig):
+def _start_dht(config: CoordinatorConfig, authority: str):
     from gpuswarm.dht.swarm import SwarmDHT
-    from gpuswarm.dht.validators import NodeAdvertValidator
-    from hivemind.dht.crypto import RSASignatureValidator
+    from gpuswarm.dht.validators import validators
     from hivemind.p2p import P2PDaemonError
 
     port_file, peers_file = config.data_dir / "dht.port", config.data_dir / "dht-peers.json"
@@ -141,8 +157,8 @@ def _start_dht(config: CoordinatorConfig):
             host_maddrs=[f"/ip4/{config.dht_host}/tcp/{port}"], start=True, initial_peers=initial_peers,
             identity_path=str(config.data_dir / "dht.key"), check_if_identity_free=False,
             ensure_bootstrap_success=False,
-            # hivemind signs its progress records (RSASignatureValidator): a reader without it cannot decode them.
-            record_validators=[NodeAdvertValidator(), RSASignatureValidator()])
+            # It stores and reads only records chained to this swarm's authority (gpuswarm.dht.validators).
+            record_validators=validators(authority))
 
     try:
         dht = start(known)
@@ -213,9 +229,7 @@ async def _supervisor(app: web.Application) -> AsyncIterator[None]:
     app[MESH_VERSION] = MeshVersion()
     task = asyncio.create_task(supervise(app), name="coordinator-supervisor")
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.wait_for(task, timeout=5)
+    await tasks.stop(task)
 
 
 async def supervise(app: web.Application) -> None:
@@ -226,9 +240,17 @@ async def supervise(app: web.Application) -> None:
         try:
             leading = await leadership.check()
             # Nodes get a full node_timeout from when this process began to lead to reach it (see `tick`).
-            if leading and await tick(app[SESSIONS], config, time.time(), app[METRICS], app[BLOBS],
-                                      since=leadership.since):
-                await app[MESH_VERSION].bump()  # nodes went offline: their peers drop them
+            if leading:
+                # Sweeps first: the trial jobs they start are matched by this very tick.
+                await sweeps.advance_all(app[SESSIONS], app[BLOB_LOCK], time.time())
+                await audits.advance_all(app[SESSIONS], app[AUTHORITY].secret("audit"), config.audit_rate,
+                                         time.time())
+                silent = await tick(app[SESSIONS], config, time.time(), app[METRICS], app[BLOBS],
+                                    since=leadership.since)
+                async with app[SESSIONS].begin() as session:
+                    relays_changed = await update_relays(session, time.time())
+                if silent or relays_changed:
+                    await app[MESH_VERSION].bump()  # peers went offline, or pairs got or lost a relay
             if DHT in app and time.monotonic() - last_observe > 5.0:
                 last_observe = time.monotonic()
                 app[ADVERTS] = await observe_adverts(app[DHT])
@@ -246,8 +268,11 @@ async def supervise(app: web.Application) -> None:
         except Exception:
             logger.exception("supervisor tick failed; retrying")
             app[METRICS].supervisor_failures.inc()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(app[WAKE].wait(), timeout=config.loop_interval)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that lands as its
+        # timeout fires (CPython gh-86296), and this loop would outlive its shutdown.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(config.loop_interval):
+                await app[WAKE].wait()
         app[WAKE].clear()
 
 
@@ -275,9 +300,17 @@ async def observe_adverts(dht) -> dict:
     return adverts
 
 
+def swarm_epoch(epochs: list[int]) -> int:
+    """The epoch a run has reached by its members' progress records: the second highest, so that one member (whose
+    record is its own to write, decision 0025) cannot lift it alone."""
+    ranked = sorted(epochs, reverse=True)
+    return ranked[1] if len(ranked) >= 2 else ranked[0]
+
+
 async def observe_progress(sessions: async_sessionmaker[AsyncSession], dht) -> None:
-    """Record each running job's epoch as hivemind's own progress records in the DHT show it: the ledger does not
-    credit claims for epochs the swarm never reached."""
+    """Record each running job's epoch as hivemind's own progress records in the DHT show it (`swarm_epoch`): the
+    ledger does not credit claims for epochs the swarm never reached. Only members' records get this far: the
+    DHT's validators refuse the rest."""
     from gpuswarm.proto.dht import job_run_id
 
     async with sessions() as session:
@@ -289,7 +322,7 @@ async def observe_progress(sessions: async_sessionmaker[AsyncSession], dht) -> N
             seen = [item.value.get("epoch") for item in found.value.values() if isinstance(item.value, dict)]
             seen = [e for e in seen if isinstance(e, int) and e >= 0]
             if seen:
-                epochs[job_id] = max(seen)
+                epochs[job_id] = swarm_epoch(seen)
     if epochs:
         async with sessions.begin() as session:
             for job in (await session.scalars(select(Job).where(Job.id.in_(list(epochs))))).all():
@@ -349,6 +382,7 @@ async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -
         in_use[a.node_id] = in_use.get(a.node_id, 0) + a.gpus
         members.setdefault(a.job_id, set()).add(a.node_id)
         shards.setdefault(a.job_id, set()).add(a.shard_index)
+    banned = await ledger.banned(session, [j.id for j in open_jobs])
     nodes = (await session.scalars(select(Node).where(Node.online.is_(True), Node.revoked.is_(False)))).all()
     record = await reputation.records(session, list(nodes), now)
     node_views = [NodeView(n.id, Resources.model_validate(n.resources), n.price_per_gpu_hour, n.last_seen,
@@ -361,7 +395,7 @@ async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -
         if j.state == JobState.PENDING.value and j.owner_id not in balances:
             balances[j.owner_id] = await ledger.balance(session, ledger.owner_account(j.owner_id))
     job_views = [JobView(j.id, specs[j.id], JobState(j.state), j.created_at, members=frozenset(members.get(j.id, ())),
-                         active_shards=frozenset(shards.get(j.id, ())),
+                         active_shards=frozenset(shards.get(j.id, ())), excluded=frozenset(banned.get(j.id, ())),
                          funded=j.state != JobState.PENDING.value
                          or balances[j.owner_id] >= ledger.micro(specs[j.id].budget))
                  for j in open_jobs]

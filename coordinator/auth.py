@@ -24,7 +24,7 @@ from gpuswarm.coordinator.config import ADMIN_TOKEN, SESSIONS
 from gpuswarm.coordinator.db import Job, Node, Owner, SeenNonce, remember_nonce
 from gpuswarm.coordinator.errors import ApiError, Conflict, Forbidden, NotFound, Unauthorized
 from gpuswarm.coordinator.jobs import get_job
-from gpuswarm.coordinator.ledger import MINT, micro, owner_account, transfer
+from gpuswarm.coordinator.ledger import micro, mint, owner_account
 from gpuswarm.coordinator.requests import M, parse, read_json
 from gpuswarm.proto.signing import MAX_CLOCK_SKEW, SignatureError, SignedEnvelope, verify
 from sqlalchemy import select
@@ -114,8 +114,13 @@ def hash_token(token: str) -> str:
 
 
 def bearer(request: web.Request) -> str:
+    """The token of `Authorization: Bearer TOKEN`, "" without one. Tokens are printable ASCII: anything else (a
+    non-ASCII or undecodable header) is refused as a bad token, never compared or hashed."""
     header = request.headers.get("Authorization", "")
-    return header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+    token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+    if token and not (token.isascii() and token.isprintable()):
+        raise Unauthorized("the Authorization token must be printable ASCII", code="bad_token")
+    return token
 
 
 def require_admin(request: web.Request) -> None:
@@ -166,6 +171,5 @@ async def create_owner(session: AsyncSession, name: str, initial_credits: float,
         await session.flush()
     except IntegrityError:  # created by a concurrent request since the check above
         raise Conflict(f"an owner named {name!r} already exists", code="owner_exists") from None
-    await transfer(session, MINT, owner_account(owner.id), micro(initial_credits), "grant", now,
-                   memo="initial credits")
+    await mint(session, owner_account(owner.id), micro(initial_credits), "grant", now, memo="initial credits")
     return owner, token

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpuswarm.coordinator.db import Artifact, AssignmentRow, Blob, BlobHolder, Job, JobBlob
+from gpuswarm.coordinator.db import Artifact, AssignmentRow, Audit, Blob, BlobHolder, Job, JobBlob
 from gpuswarm.coordinator.errors import Conflict, Forbidden
 from gpuswarm.coordinator.store import BlobStore, LocalBlobStore
 from gpuswarm.proto.models import AssignmentState, CheckpointRef, CodeRef, JobSpec, JobState
@@ -95,15 +95,19 @@ async def reference(session: AsyncSession, job: Job, spec: JobSpec, now: float) 
 
 async def node_may_read(session: AsyncSession, job: Job, node_id: str, sha256: str) -> None:
     """A node reads a blob only while it holds an active assignment in the job, and only the job's own blobs:
-    its code, its dataset, its artifacts (checkpoints, models). 403 `not_assigned` / `not_a_job_blob`."""
+    its code, its dataset, its artifacts (checkpoints, models); or while it referees a round of the job (an audit
+    assigned to it), and then only the job's code and dataset. 403 `not_assigned` / `not_a_job_blob`."""
     active = await session.scalar(select(AssignmentRow.id).where(
         AssignmentRow.job_id == job.id, AssignmentRow.node_id == node_id,
         AssignmentRow.state == AssignmentState.ACTIVE.value).limit(1))
-    if active is None:
+    referee = active is None and await session.scalar(select(Audit.id).where(
+        Audit.job_id == job.id, Audit.referee_id == node_id, Audit.state == "assigned").limit(1)) is not None
+    if active is None and not referee:
         raise Forbidden(f"node {node_id} holds no active assignment in job {job.id}", code="not_assigned")
-    named = await session.scalar(select(
-        exists().where(JobBlob.job_id == job.id, JobBlob.sha256 == sha256)
-        | exists().where(Artifact.job_id == job.id, Artifact.sha256 == sha256)))
+    named = exists().where(JobBlob.job_id == job.id, JobBlob.sha256 == sha256)
+    if not referee:
+        named = named | exists().where(Artifact.job_id == job.id, Artifact.sha256 == sha256)
+    named = await session.scalar(select(named))
     if not named:
         raise Forbidden(f"{sha256[:12]}… is not the code, dataset or an artifact of job {job.id}",
                         code="not_a_job_blob")

@@ -15,13 +15,13 @@ not check out is not a refusal: it is a result (200, passed false), and the node
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from gpuswarm.coordinator import tasks
 from gpuswarm.coordinator.auth import authenticate_node, read_signed
 from gpuswarm.coordinator.challenge_schedule import challenge_due, next_challenge_time
 from gpuswarm.coordinator.config import CONFIG, LEADERSHIP, SESSIONS, CoordinatorConfig
@@ -253,11 +253,14 @@ async def node_challenges(request: web.Request) -> web.Response:
     """A node's verification standing and its latest GPU challenges, newest first."""
     node_id = request.match_info["node_id"]
     async with request.app[SESSIONS]() as session:
+        # The challenges first, then the node: under READ COMMITTED (PostgreSQL) each statement sees the latest
+        # commit, so a sweep committing in between leaves the node's counters at least as new as the rows shown
+        # (the other order showed a failed challenge beside a node that had not failed one yet).
+        rows = (await session.scalars(select(Challenge).where(Challenge.node_id == node_id)
+                                      .order_by(Challenge.issued_at.desc()).limit(HISTORY))).all()
         node = await session.get(Node, node_id)
         if node is None:
             raise NotFound(f"node {node_id} is not registered", code="unknown_node")
-        rows = (await session.scalars(select(Challenge).where(Challenge.node_id == node_id)
-                                      .order_by(Challenge.issued_at.desc()).limit(HISTORY))).all()
     return respond(NodeChallenges, {
         "node_id": node.id, "verified": bool(node.verified), "challenges_passed": node.challenges_passed or 0,
         "challenges_failed": node.challenges_failed or 0, "measured_gflops": node.measured_gflops,
@@ -308,9 +311,7 @@ async def _challenges(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(task, timeout=5)
+        await tasks.stop(task)
 
 
 def setup_routes(app: web.Application) -> None:

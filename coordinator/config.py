@@ -21,6 +21,8 @@ class CoordinatorConfig:
     heartbeat_interval: float = 2.0
     node_timeout: float = 10.0  # a node silent this long is offline and loses its assignments
     advert_ttl: float = 30.0
+    # DHT certs (coordinator/authority.py): how long a node's records stay valid without a word from here.
+    dht_cert_ttl: float = 900.0
     max_json_bytes: int = 64 * 1024
     max_artifact_bytes: int = 512 * 1024 * 1024
     max_job_failures: int = 3
@@ -33,6 +35,7 @@ class CoordinatorConfig:
     challenge_min_interval: float = 60.0  # never sooner than this after the previous one ended
     challenge_proof_timeout: float = 120.0  # seconds from the reveal to the proof
     settle_grace: float = 30.0  # seconds after a job ends before its books close (late reports still count)
+    audit_rate: float = 0.05  # the share of credited rounds re-computed by a referee (coordinator/audits.py)
     # The content-addressed store (coordinator/store.py, blobs.py): what one owner may hold, and how long a blob
     # nothing references is kept after its last use; the retention pass runs every blob_sweep_interval seconds.
     owner_quota_bytes: int = 20 * 1024**3
@@ -71,4 +74,5 @@ HEARTBEATS = web.AppKey("heartbeats", object)  # coordinator.heartbeats.Heartbea
 BLOBS = web.AppKey("blobs", object)  # coordinator.store.BlobStore: where artifact and blob bytes live
 BLOB_LOCK = web.AppKey("blob_lock", asyncio.Lock)  # a blob's row and file change together: uploads vs retention
 LEADERSHIP = web.AppKey("leadership", object)  # coordinator.leader.Leadership: whether this process runs the tick
+AUTHORITY = web.AppKey("authority", object)  # coordinator.authority.Authority: signs the nodes' DHT certs
 METRICS = web.AppKey("metrics", object)  # coordinator.metrics.CoordinatorMetrics (its registry is per app)

@@ -68,6 +68,8 @@ class Node(Base):
     # Reputation inputs kept on the node (the rest are counted from assignments and claims).
     online_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     peer_rtt_ms: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # Peers the node has had no mesh path to for a while (its latest heartbeat): they need a relay.
+    mesh_unreachable: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     # The GPU challenge (coordinator/challenge.py): verified = passed the latest one for the device it claims now.
     verified: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
     challenges_passed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -84,6 +86,41 @@ class MeshIPAM(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     state: Mapped[dict[str, Any]]
+
+
+class AuthorityKey(Base):
+    """The swarm authority's Ed25519 private key (`gpuswarm.coordinator.authority`): one row, created once. In the
+    database, so every coordinator of one PostgreSQL database signs DHT certs with the same key."""
+
+    __tablename__ = "authority_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    private_key: Mapped[str] = mapped_column(String(64))  # raw 32 bytes, base64
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Suspicion(Base):
+    """A member's report that its reducer clipped another member of the job as a Byzantine outlier."""
+
+    __tablename__ = "suspicions"
+
+    job_id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    node_id: Mapped[str] = mapped_column(String(16), primary_key=True)  # the suspect
+    reporter: Mapped[str] = mapped_column(String(16), primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)  # of the first report naming it
+    at: Mapped[float] = mapped_column(Float)
+
+
+class MeshRelay(Base):
+    """A pair of nodes with no direct mesh path, and the node that forwards between them (`gpuswarm.mesh.relays`);
+    written by the leader's tick only."""
+
+    __tablename__ = "mesh_relays"
+
+    node_a: Mapped[str] = mapped_column(String(16), primary_key=True)  # node_a < node_b
+    node_b: Mapped[str] = mapped_column(String(16), primary_key=True)
+    relay: Mapped[str] = mapped_column(String(16))
+    since: Mapped[float] = mapped_column(Float)
 
 
 class Job(Base):
@@ -153,6 +190,7 @@ class Contribution(Base):
     window_start: Mapped[float] = mapped_column(Float)
     window_end: Mapped[float] = mapped_column(Float)
     solo: Mapped[bool] = mapped_column(Boolean, default=False)
+    peer_id: Mapped[str] = mapped_column(String(128), default="", server_default="")  # its training process's
     signature: Mapped[str] = mapped_column(String(100))
     envelope: Mapped[dict[str, Any]]
     received_at: Mapped[float] = mapped_column(Float)
@@ -173,6 +211,31 @@ class Attestation(Base):
     claim_id: Mapped[int] = mapped_column(ForeignKey("contributions.id"), index=True)
     attester: Mapped[str] = mapped_column(ForeignKey("nodes.id"))
     at: Mapped[float] = mapped_column(Float)
+
+
+class Audit(Base):
+    """A node's credited round drawn for refereed re-execution (`gpuswarm.coordinator.audits`): its evidence, the
+    referee re-computing it, and the outcome. `deadline` is the current state's: evidence due, verdict due."""
+
+    __tablename__ = "audits"
+    __table_args__ = (Index("ix_audits_state", "state"),)
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), index=True)  # whose round
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    claim_id: Mapped[int] = mapped_column(ForeignKey("contributions.id"), unique=True)
+    state: Mapped[str] = mapped_column(String(16), default="requested")
+    evidence_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    evidence_size: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    referee_id: Mapped[str | None] = mapped_column(String(16), nullable=True, index=True)  # the current referee
+    referees: Mapped[list[str]] = mapped_column(JSON, default=list)  # those who gave a verdict, in order
+    excluded: Mapped[list[str]] = mapped_column(JSON, default=list)  # referees who let their deadline pass
+    failures: Mapped[int] = mapped_column(Integer, default=0)  # failed verdicts so far
+    distance: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    requested_at: Mapped[float] = mapped_column(Float)
+    deadline: Mapped[float] = mapped_column(Float)
 
 
 class Owner(Base):
@@ -292,6 +355,44 @@ class JobProgress(Base):
     samples_per_second: Mapped[float] = mapped_column(Float)
     peers: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # the workload's evaluate, if any
+
+
+class Sweep(Base):
+    """A hyper-parameter sweep (proto/sweeps.py): its spec and where it stands. Driven by coordinator/sweeps.py."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    owner_id: Mapped[str] = mapped_column(ForeignKey("owners.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    spec: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)  # why it ended, when it did not complete
+
+
+class SweepTrial(Base):
+    """One trial of a sweep: its values, its job, the metric at each step the job reported, and the pruner's own
+    bookkeeping (`system_attrs`), all that coordinator/search.py needs to rebuild the study."""
+
+    __tablename__ = "sweep_trials"
+    __table_args__ = (UniqueConstraint("sweep_id", "number"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sweep_id: Mapped[str] = mapped_column(ForeignKey("sweeps.id"))
+    number: Mapped[int] = mapped_column(Integer)
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), nullable=True, unique=True)
+    state: Mapped[str] = mapped_column(String(16))
+    params: Mapped[dict[str, Any]]
+    intermediate: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # str(epoch or step) -> metric
+    last_step: Mapped[int] = mapped_column(BigInteger, default=-1)  # the job's last progress point read
+    system_attrs: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    pruned_at_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Challenge(Base):

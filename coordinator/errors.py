@@ -92,7 +92,10 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return web.json_response(error_body(e.reason.lower().replace(" ", "_"), e.reason), status=e.status)
+        # aiohttp's own headers stay: a 405's Allow lists the methods the path takes.
+        headers = {k: v for k, v in e.headers.items() if k in ("Allow",)}
+        return web.json_response(error_body(e.reason.lower().replace(" ", "_"), e.reason), status=e.status,
+                                 headers=headers)
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return web.json_response(error_body("internal", "internal server error"), status=500)

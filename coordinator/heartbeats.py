@@ -16,21 +16,29 @@ failures moves through `jobs.apply`, like every job state change.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpuswarm.coordinator import jobs
+from gpuswarm.coordinator import jobs, tasks
 from gpuswarm.coordinator.auth import NodeMessage, node_refusal
 from gpuswarm.coordinator.challenge_schedule import challenge_due
 from gpuswarm.coordinator.config import CoordinatorConfig
-from gpuswarm.coordinator.db import AssignmentRow, Job, JobEvent, JobProgress, Node, SeenNonce
+from gpuswarm.coordinator.db import (
+    AssignmentRow,
+    Attestation,
+    Contribution,
+    Job,
+    JobEvent,
+    JobProgress,
+    Node,
+    SeenNonce,
+)
 from gpuswarm.coordinator.errors import ApiError
-from gpuswarm.proto.models import AssignmentState, Heartbeat, JobState, NodeState, Progress
-from sqlalchemy import Update, bindparam, insert, select, update
+from gpuswarm.proto.models import PROGRESS_MARGIN, AssignmentState, Heartbeat, JobState, NodeState, Progress
+from sqlalchemy import Update, bindparam, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -69,9 +77,7 @@ class HeartbeatBatcher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await tasks.stop(self._task)
         for item in self._queue:
             item.future.cancel()
 
@@ -131,6 +137,7 @@ class _NodeRow:
     state: str
     mesh_address: str | None
     next_challenge_at: float | None
+    mesh_unreachable: list | None
     peer_rtt_ms: dict | None = None
     changed: set[str] = field(default_factory=set)
 
@@ -139,7 +146,7 @@ class _NodeRow:
 _NODES, _ASSIGNMENTS = Node.__table__, AssignmentRow.__table__
 _SELECT_NODES = select(*(_NODES.c[name] for name in (
     "id", "public_key", "revoked", "online", "last_seen", "online_seconds", "state", "mesh_address",
-    "next_challenge_at"))).where(_NODES.c.id.in_(bindparam("ids", expanding=True)))
+    "next_challenge_at", "mesh_unreachable"))).where(_NODES.c.id.in_(bindparam("ids", expanding=True)))
 _SELECT_SEEN = select(SeenNonce.__table__.c.nonce).where(
     SeenNonce.__table__.c.nonce.in_(bindparam("nonces", expanding=True)))
 _SELECT_ACTIVE = select(_ASSIGNMENTS.c.id, _ASSIGNMENTS.c.node_id, _ASSIGNMENTS.c.job_id).where(
@@ -164,6 +171,7 @@ async def apply_heartbeats(session: AsyncSession, items: list[NodeMessage[Heartb
     for assignment_id, node_id, job_id in (await session.execute(_SELECT_ACTIVE, {"ids": node_ids})).all():
         active.setdefault(node_id, {})[job_id] = assignment_id
     points: set[tuple[str, int]] = set()  # (job, step) known to have its point, so one batch looks each up once
+    ceilings: dict[str, int] = {}  # job: the highest step its progress may move to (`_step_ceiling`)
     results: list[Outcome | ApiError] = []
     fresh_nonces: list[dict] = []
     for message in items:
@@ -174,7 +182,7 @@ async def apply_heartbeats(session: AsyncSession, items: list[NodeMessage[Heartb
             seen.add(message.envelope.nonce)
             fresh_nonces.append({"nonce": message.envelope.nonce, "expires_at": message.nonce_expires_at})
             results.append(await _apply_one(session, node, message.payload, active.setdefault(node.id, {}), config,
-                                            now, points))
+                                            now, points, ceilings))
     if fresh_nonces:
         await session.execute(_INSERT_NONCES, fresh_nonces)
     await _write_nodes(session, nodes.values())
@@ -204,24 +212,29 @@ def _set(node: _NodeRow, column: str, value: object) -> None:
 
 
 async def _apply_one(session: AsyncSession, node: _NodeRow, hb: Heartbeat, active: dict[str, int],
-                     config: CoordinatorConfig, now: float, points: set[tuple[str, int]]) -> Outcome:
+                     config: CoordinatorConfig, now: float, points: set[tuple[str, int]],
+                     ceilings: dict[str, int]) -> Outcome:
     was_online = node.online
     if was_online and now - node.last_seen <= config.node_timeout:
         _set(node, "online_seconds", node.online_seconds + now - node.last_seen)  # only gaps under the timeout
     if hb.peer_rtt_ms:
         node.peer_rtt_ms = dict(hb.peer_rtt_ms)
         node.changed.add("peer_rtt_ms")
+    unreachable = sorted(set(hb.unreachable_peers) - {node.id}) or None
+    relays_changed = unreachable != node.mesh_unreachable  # the leader's next tick plans relays again
+    _set(node, "mesh_unreachable", unreachable)
     _set(node, "last_seen", now)
     _set(node, "state", hb.state.value)
     _set(node, "online", hb.state is not NodeState.OFFLINE)
     outcome = Outcome(membership_changed=node.mesh_address is not None and was_online != node.online,
-                      wake=bool(hb.failures) or hb.state is NodeState.OFFLINE)
+                      wake=bool(hb.failures) or hb.state is NodeState.OFFLINE or relays_changed)
     for p in hb.progress:
         job = await session.get(Job, p.job_id) if p.job_id in active else None
-        # Only a member of a running job moves its progress, and never backwards.
+        # Only a member of a running job moves its progress, never backwards, and never far past the epochs its
+        # members' claims were attested for: a member cannot put the job at step 2**53 and freeze it there.
         if job is None or job.state != JobState.RUNNING.value:
             continue
-        if p.global_step >= job.global_step:
+        if job.global_step <= p.global_step <= await _step_ceiling(session, job, ceilings):
             advanced = p.global_step > job.global_step
             job.epoch, job.global_step, job.accuracy, job.loss = p.epoch, p.global_step, p.accuracy, p.loss
             job.samples_per_second, job.peers = p.samples_per_second, p.peers
@@ -245,6 +258,19 @@ async def _apply_one(session: AsyncSession, node: _NodeRow, hb: Heartbeat, activ
         await lose_assignments(session, node.id, now, "node went offline")
         active.clear()
     return outcome
+
+
+async def _step_ceiling(session: AsyncSession, job: Job, ceilings: dict[str, int]) -> int:
+    """The highest global step a progress report may move the job to: the latest epoch a member's claim was
+    attested (or credited) for, or the job's own step, plus PROGRESS_MARGIN. Looked up once per job and batch."""
+    if job.id in ceilings:
+        return ceilings[job.id]
+    attested = await session.scalar(select(func.max(Contribution.epoch)).join(
+        Attestation, Attestation.claim_id == Contribution.id).where(Contribution.job_id == job.id))
+    credited = await session.scalar(select(func.max(Contribution.epoch)).where(
+        Contribution.job_id == job.id, Contribution.status == "credited"))
+    ceilings[job.id] = max(job.global_step, attested or 0, credited or 0) + PROGRESS_MARGIN
+    return ceilings[job.id]
 
 
 async def _record_point(session: AsyncSession, job_id: str, p: Progress, now: float, advanced: bool,

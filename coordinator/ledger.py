@@ -21,34 +21,55 @@ Credit rule (one claim per node and hivemind epoch, signed by its node, see `pro
   after the other, from a node that restarted, are not flagged);
 - credited samples are capped by the node's measured throughput (`throughput_cap`): `THROUGHPUT_SLACK` times the
   median rate (samples per second of its window) of the round's other members, scaled up (never down) by the ratio
-  of challenge-measured GFLOP/s, over the claim's own billable window, and never below one round's worth. A solo
-  claim is capped at one round's worth. A claim over its cap is flagged, except a node's first credited one;
-- the paid time is the claim's wall-clock window (the node's GPUs were the job's for that long), never before the
-  node joined or before its previous paid claim, and scaled like the samples (`billable_seconds`);
+  of the nodes' GFLOP/s (`stable_gflops`: the median of each node's last `GFLOPS_HISTORY` passed challenges, not
+  one noisy measure), over the claim's own billable window, and never below one round's worth. A solo claim is
+  capped at one round's worth. A claim over its cap is flagged, except a node's first credited one, and a flagged
+  claim earns no slack: it is credited the median share alone (so inflating pays less than honesty);
+- the paid time is the claim's wall-clock window (the node's GPUs were the job's for that long), only while the node
+  held an assignment in the job (not before it was matched, not after a loss, a cancel or the job's end), never
+  before its previous paid claim, and scaled like the samples (`billable_seconds`); a claim whose window began
+  after the node's assignments in the job had all ended is rejected, attested or not;
 - a claim for an epoch that hivemind's own progress records (read from the DHT) never reached stays pending and
-  is rejected at settlement.
+  is rejected at settlement;
+- a report's `suspects` (peers its reducer clipped as Byzantine outliers) get no attestation from it, and a node
+  that two members name is banned from the job (`_suspect`): nothing more credited, its pay forfeited.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
 from gpuswarm.coordinator import jobs
-from gpuswarm.coordinator.db import AssignmentRow, Attestation, Contribution, Job, JobEvent, LedgerEntry, Node
-from gpuswarm.coordinator.errors import Unprocessable
+from gpuswarm.coordinator.db import (
+    AssignmentRow,
+    Attestation,
+    Challenge,
+    Contribution,
+    Job,
+    JobEvent,
+    LedgerEntry,
+    Node,
+    Suspicion,
+)
+from gpuswarm.coordinator.errors import Conflict, Unprocessable
 from gpuswarm.coordinator.requests import parse
-from gpuswarm.proto.models import CLAIM_KIND, ContributionClaim, JobSpec, RoundReport
+from gpuswarm.proto.models import CLAIM_KIND, AssignmentState, ContributionClaim, JobSpec, RoundReport
 from gpuswarm.proto.signing import MAX_CLOCK_SKEW, SignatureError, SignedEnvelope, verify
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 MICRO = 1_000_000
 THROUGHPUT_SLACK = 3.0  # a member may do this much more than its round's median peer (per GFLOP/s) unflagged
+GFLOPS_HISTORY = 5  # passed challenges whose median is a node's speed (one measured 2.2 to 38.8 on one machine)
 DHT_EPOCH_MARGIN = 5  # epochs a claim may run ahead of the DHT's progress records (they are read every 5 s)
 MINT = "mint"
+# Every credit ever issued, less those withdrawn, at most: any sum of ledger amounts (a balance, the mint's) then
+# stays nine times inside a signed 64-bit integer of micro-credits, so no database overflows summing them.
+MAX_SUPPLY = 10**12 * MICRO
 BUDGET_EXHAUSTED = "budget exhausted"  # the ledger event of a payment the escrow could not cover
 
 
@@ -87,6 +108,14 @@ async def transfer(session: AsyncSession, src: str, dst: str, amount: int, kind:
         LedgerEntry(transfer=transfer_id, at=now, account=src, amount=-amount, kind=kind, job_id=job_id, memo=memo),
         LedgerEntry(transfer=transfer_id, at=now, account=dst, amount=amount, kind=kind, job_id=job_id, memo=memo),
     ])
+
+
+async def mint(session: AsyncSession, dst: str, amount: int, kind: str, now: float, *, memo: str = "") -> None:
+    """Issue `amount` new micro-credits to `dst`, within MAX_SUPPLY (409 `supply_limit` beyond it)."""
+    if amount > 0 and amount - await balance(session, MINT) > MAX_SUPPLY:
+        raise Conflict(f"issuing {credits(amount):.6f} credits would put more than {credits(MAX_SUPPLY):.0f} in "
+                       "circulation", code="supply_limit")
+    await transfer(session, MINT, dst, amount, kind, now, memo=memo)
 
 
 async def reserve_budget(session: AsyncSession, job: Job, spec: JobSpec, now: float) -> bool:
@@ -147,6 +176,13 @@ async def ingest_round(session: AsyncSession, job: Job, report: RoundReport,
     await jobs.require_member(session, job, report.node_id)
     members = set((await session.scalars(select(AssignmentRow.node_id).where(
         AssignmentRow.job_id == job.id))).all())
+    # The suspects this report names, by node: a peer id is known only from a claim its node signed, in this
+    # report or an earlier one of the job.
+    by_peer = {c.peer_id: c.node_id for _, c in claims if c.peer_id and c.job_id == job.id}
+    if unknown := set(report.suspects) - by_peer.keys():
+        by_peer |= dict((await session.execute(select(Contribution.peer_id, Contribution.node_id).where(
+            Contribution.job_id == job.id, Contribution.peer_id.in_(sorted(unknown))).distinct())).all())
+    suspects = {by_peer[p] for p in report.suspects if p in by_peer} - {report.node_id}
     results: list[Contribution] = []
     ignored: list[Ignored] = []
     for claim_envelope, claim in claims:
@@ -158,21 +194,24 @@ async def ingest_round(session: AsyncSession, job: Job, report: RoundReport,
             Contribution.job_id == job.id, Contribution.node_id == claim.node_id,
             Contribution.epoch == claim.epoch, Contribution.signature == claim_envelope.signature))
         if row is None:
-            row = Contribution(**claim.model_dump(exclude={"peer_id"}), solo=report.solo,
+            row = Contribution(**claim.model_dump(), solo=report.solo,
                                signature=claim_envelope.signature, received_at=now,
                                envelope=claim_envelope.model_dump(mode="json"), status="pending")
             session.add(row)
             await session.flush()
-        if claim.node_id != report.node_id:
+        if claim.node_id != report.node_id and claim.node_id not in suspects:  # no vouching for an outlier
             seen = await session.scalar(select(Attestation.id).where(
                 Attestation.claim_id == row.id, Attestation.attester == report.node_id))
             if seen is None:
                 session.add(Attestation(claim_id=row.id, attester=report.node_id, at=now))
         results.append(row)
     await session.flush()
+    events: list[str] = []
+    for suspect in sorted(suspects & members):
+        events += await _suspect(session, job, suspect, report, now)
     waiting = set((await session.scalars(select(Contribution.epoch).where(
         Contribution.job_id == job.id, Contribution.status == "pending").distinct())).all())
-    events = await credit_epochs(session, job, waiting | {r.epoch for r in results}, now)
+    events += await credit_epochs(session, job, waiting | {r.epoch for r in results}, now)
     for message in dict.fromkeys(events):
         session.add(JobEvent(job_id=job.id, at=now, message=message))
     if BUDGET_EXHAUSTED in events and jobs.allows(job, jobs.Event.BUDGET_EXHAUSTED):
@@ -181,17 +220,82 @@ async def ingest_round(session: AsyncSession, job: Job, report: RoundReport,
     return results, ignored
 
 
+BAN_QUORUM = 2  # distinct witnesses (members whose reducers clipped it, referees whose replay failed) ban a node
+
+
+async def banned(session: AsyncSession, job_ids: list[str]) -> dict[str, set[str]]:
+    """{job: the nodes banned from it}: those BAN_QUORUM distinct witnesses named. The one source of a ban, read by
+    crediting and by the matcher (a banned node is never given the job again, whatever its assignment's state)."""
+    rows = await session.execute(select(Suspicion.job_id, Suspicion.node_id).where(Suspicion.job_id.in_(job_ids))
+                                 .group_by(Suspicion.job_id, Suspicion.node_id)
+                                 .having(func.count() >= BAN_QUORUM))
+    found: dict[str, set[str]] = {}
+    for job_id, node_id in rows.all():
+        found.setdefault(job_id, set()).add(node_id)
+    return found
+
+
+async def _suspect(session: AsyncSession, job: Job, node_id: str, report: RoundReport, now: float) -> list[str]:
+    """`report`'s node named `node_id` an outlier (see `witness`)."""
+    return await witness(session, job, node_id, report.node_id, report.epoch, now,
+                         f"banned: {BAN_QUORUM} members' reducers clipped its averaging data as an outlier")
+
+
+async def witness(session: AsyncSession, job: Job, node_id: str, reporter: str, epoch: int, now: float,
+                  why: str) -> list[str]:
+    """Record that `reporter` saw `node_id` cheat in the job; at BAN_QUORUM distinct witnesses it is banned from
+    the job and forfeits (`forfeit`, for `why`). Returns ledger events (none once it was banned already)."""
+    if await session.get(Suspicion, (job.id, node_id, reporter)) is not None:
+        return []  # this witness named it before
+    session.add(Suspicion(job_id=job.id, node_id=node_id, reporter=reporter, epoch=epoch, at=now))
+    await session.flush()
+    reporters = await session.scalar(select(func.count()).select_from(Suspicion).where(
+        Suspicion.job_id == job.id, Suspicion.node_id == node_id))
+    if reporters != BAN_QUORUM:
+        return []  # not yet, or banned already when the quorum was reached
+    return await forfeit(session, job, node_id, why, now)
+
+
+async def forfeit(session: AsyncSession, job: Job, node_id: str, why: str, now: float) -> list[str]:
+    """A node loses the job: its active assignment, if it still has one, ends as "banned", its claims in the job
+    are rejected and flagged, and what the job paid it goes back to the escrow (so to the owner). Returns ledger
+    events."""
+    active = (await session.scalars(select(AssignmentRow).where(
+        AssignmentRow.job_id == job.id, AssignmentRow.node_id == node_id,
+        AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
+    for a in active:
+        a.state, a.ended_at, a.reason = AssignmentState.BANNED.value, now, why
+    # Everything it claimed in the job goes: pending claims are rejected, and what earlier rounds paid it (rounds
+    # before the first report named it) is forfeited back to the escrow, and so to the owner.
+    forfeited = 0
+    # Back to the escrow, or to the owner once the job's books closed (an audit can end after that).
+    to = escrow_account(job.id) if job.settled_at is None else owner_account(job.owner_id)
+    for c in (await session.scalars(select(Contribution).where(
+            Contribution.job_id == job.id, Contribution.node_id == node_id,
+            Contribution.status.in_(("pending", "credited"))))).all():
+        if c.paid:
+            amount = min(c.paid, await balance(session, node_account(node_id)))
+            await transfer(session, node_account(node_id), to, amount, "forfeit", now,
+                           job_id=job.id, memo=f"epoch {c.epoch}: {why}")
+            forfeited += amount
+            c.paid = c.paid - amount
+        c.status, c.flag = "rejected", c.flag or why
+        c.credited_samples, c.credited_seconds = 0, 0.0
+    return [f"node {node_id} {why}" + (f"; {credits(forfeited):.6f} credits forfeited" if forfeited else "")]
+
+
 # ---------------------------------------------------------------------------------------------------- crediting
 
 
 def throughput_cap(claim: Contribution, peers: list[Contribution], gflops: dict[str, float | None],
-                   spec: JobSpec, windows: dict[int, float] | None = None) -> int | None:
+                   spec: JobSpec, windows: dict[int, float] | None = None,
+                   slack: float = THROUGHPUT_SLACK) -> int | None:
     """The most samples this claim can be credited with (None: no cap).
 
     The members of a round train side by side, so a member's share follows its speed and the time it trained: it
-    may claim up to `THROUGHPUT_SLACK` times the median of its peers' claims, each scaled up by the ratio of
-    challenge-measured GFLOP/s when that says this node is faster (never down: one challenge's measure is noisy,
-    2-38 GFLOP/s on one machine, and an honest node measured slow must not be flagged; 1 when unknown) and by the
+    may claim up to `slack` times the median of its peers' claims, each scaled up by the ratio of the nodes'
+    GFLOP/s (`stable_gflops`) when that says this node is faster (never down: an honest node measured slow must not
+    be flagged; 1 when unknown) and by the
     ratio of the claims' `windows` (by claim id: seconds of
     its window while its node was in the job): a member that joined a round late, or started training before the
     others arrived, claims in proportion to its time. One round's worth (target batch plus one local batch, in mode
@@ -206,14 +310,33 @@ def throughput_cap(claim: Contribution, peers: list[Contribution], gflops: dict[
             mine_s, theirs_s = (windows.get(claim.id, 0.0), windows.get(p.id, 0.0)) if windows else (0.0, 0.0)
             return p.samples * speed * (mine_s / theirs_s if mine_s > 0 and theirs_s > 0 else 1.0)
 
-        return max(one_round, int(statistics.median(map(share, peers)) * THROUGHPUT_SLACK))
+        return max(one_round, int(statistics.median(map(share, peers)) * slack))
     return one_round if claim.solo and one_round else None
 
 
-def billable_seconds(claim: Contribution, since: float) -> float:
-    """Wall-clock seconds the claim may be paid for: its window, cut to start no earlier than `since` (the node's
-    assignment, or its previous paid claim), so windows are never paid twice, and to end when it was received."""
-    return max(0.0, min(claim.window_end, claim.received_at) - max(claim.window_start, since))
+async def stable_gflops(session: AsyncSession, node_ids: list[str]) -> dict[str, float | None]:
+    """Each node's speed for the throughput cap: the median GFLOP/s of its last GFLOPS_HISTORY passed challenges
+    (None without one)."""
+    rows = (await session.execute(
+        select(Challenge.node_id, Challenge.measured_gflops)
+        .where(Challenge.node_id.in_(node_ids), Challenge.state == "passed", Challenge.measured_gflops.is_not(None))
+        .order_by(Challenge.finished_at.desc()))).all()
+    history: dict[str, list[float]] = defaultdict(list)
+    for node_id, gflops in rows:
+        if len(history[node_id]) < GFLOPS_HISTORY:
+            history[node_id].append(gflops)
+    return {n: statistics.median(history[n]) if history[n] else None for n in node_ids}
+
+
+Intervals = list[tuple[float, float]]  # a node's assignments in a job: (start, end), end inf while active
+
+
+def billable_seconds(claim: Contribution, since: float, assigned: Intervals) -> float:
+    """Wall-clock seconds the claim may be paid for: its window, cut to start no earlier than `since` (its previous
+    paid claim), so windows are never paid twice, to end when it was received, and to the time its node held an
+    assignment in the job (`assigned`): nothing before it was matched, nothing after a loss, a cancel or the end."""
+    start, end = max(claim.window_start, since), min(claim.window_end, claim.received_at)
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in assigned)
 
 
 def overlap(a: Contribution, b: Contribution) -> bool:
@@ -234,7 +357,7 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
     assignments = (await session.scalars(select(AssignmentRow).where(AssignmentRow.job_id == job.id))).all()
     nodes = {n.id: n for n in (await session.scalars(select(Node).where(
         Node.id.in_({r.node_id for r in rows})))).all()}
-    gflops = {node_id: node.measured_gflops for node_id, node in nodes.items()}
+    gflops = await stable_gflops(session, list(nodes))
     spec = JobSpec.model_validate(job.spec)
     events: list[str] = []
     paid_until = dict((await session.execute(
@@ -242,8 +365,11 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
         .where(Contribution.job_id == job.id, Contribution.status == "credited")
         .group_by(Contribution.node_id))).all())
 
-    def joined_at(claim: Contribution) -> float:
-        return min((a.created_at for a in assignments if a.node_id == claim.node_id), default=claim.window_start)
+    assigned: dict[str, Intervals] = defaultdict(list)
+    for a in assignments:
+        assigned[a.node_id].append((a.created_at, math.inf if a.ended_at is None else a.ended_at))
+
+    excluded = (await banned(session, [job.id])).get(job.id, set())
 
     def alone(claim: Contribution) -> bool:
         return not any(a.node_id != claim.node_id and a.created_at <= claim.window_end
@@ -264,6 +390,17 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
                 continue
             if job.dht_epoch is not None and epoch > job.dht_epoch + DHT_EPOCH_MARGIN:
                 continue  # hivemind's progress records have not reached this epoch (yet)
+            if node_id in excluded:  # a node banned from the job is credited nothing more in it
+                for v in versions:
+                    if v.status == "pending":
+                        v.status, v.flag = "rejected", v.flag or "banned from the job"
+                continue
+            ended = max(b for _, b in assigned[node_id]) if assigned[node_id] else -math.inf
+            for v in versions:  # work after the node's assignments ended is no work for the job, attested or not
+                if v.status == "pending" and v.window_start >= ended:
+                    v.status = "rejected"
+                    events.append(f"node {node_id}'s claim for epoch {epoch} began after its assignment ended; "
+                                  "not paid")
             eligible = [v for v in versions if v.status == "pending" and (v.id in attested or (v.solo and alone(v)))]
             if not eligible:
                 continue
@@ -272,7 +409,7 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
                 if v is not chosen and v.status == "pending":
                     v.status = "rejected"
             peers = [p for other, vs in by_node.items() if other != node_id for p in vs if p.status != "rejected"]
-            windows = {c.id: billable_seconds(c, joined_at(c)) for c in (chosen, *peers)}
+            windows = {c.id: billable_seconds(c, -math.inf, assigned[c.node_id]) for c in (chosen, *peers)}
             cap = throughput_cap(chosen, peers, gflops, spec, windows)
             credited = chosen.samples if cap is None else min(chosen.samples, cap)
             # A node's first credited round is capped but not flagged: members start at different times, and while
@@ -280,14 +417,15 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
             # nothing about honesty.
             if credited < chosen.samples:
                 if node_id in paid_until:
+                    credited = min(credited, throughput_cap(chosen, peers, gflops, spec, windows, slack=1.0))
                     chosen.flag = chosen.flag or (f"exceeds measured throughput: claimed {chosen.samples} samples, "
                                                   f"credited {credited}")
                 events.append(f"node {node_id} claimed {chosen.samples} samples for epoch {epoch}; "
                               f"credited {credited} (measured throughput)")
             fraction = credited / chosen.samples if chosen.samples else 1.0
-            since = max(joined_at(chosen), paid_until.get(node_id) or 0.0)
+            since = paid_until.get(node_id) or -math.inf
             chosen.status, chosen.credited_samples = "credited", credited
-            chosen.credited_seconds = billable_seconds(chosen, since) * fraction
+            chosen.credited_seconds = billable_seconds(chosen, since, assigned[node_id]) * fraction
             paid_until[node_id] = max(since, chosen.window_end)
             events += await _pay(session, job, chosen, assignments, now)
     return events
@@ -318,14 +456,18 @@ async def settle(session: AsyncSession, job: Job, now: float) -> None:
         Contribution.job_id == job.id, Contribution.status == "pending"))).all()
     if pending:
         await credit_epochs(session, job, {c.epoch for c in pending}, now)
+    attested = set((await session.scalars(select(Attestation.claim_id).where(
+        Attestation.claim_id.in_([c.id for c in pending])))).all()) if pending else set()
     for claim in pending:
         if claim.status != "pending":
             continue
         claim.status = "rejected"
         # Unattested is unpaid, not a lie: a round that failed after its group formed (a partition, a peer that
-        # died mid-round) leaves an honest member's claim unattested, and an unattested claim earns nothing.
-        if job.dht_epoch is not None and claim.epoch > job.dht_epoch + DHT_EPOCH_MARGIN:
-            claim.flag = claim.flag or "epoch never reached in hivemind's progress records"
+        # died mid-round) leaves an honest member's claim unattested, and an unattested claim earns nothing. A
+        # node cut off from its peers counts its own epochs alone, past the swarm's: unpaid, not flagged either.
+        # Peers vouching for an epoch the swarm never reached are another matter.
+        if job.dht_epoch is not None and claim.epoch > job.dht_epoch + DHT_EPOCH_MARGIN and claim.id in attested:
+            claim.flag = claim.flag or "attested for an epoch never reached in hivemind's progress records"
     left = await balance(session, escrow_account(job.id))
     await transfer(session, escrow_account(job.id), owner_account(job.owner_id), left, "refund", now,
                    job_id=job.id, memo="unspent budget")
@@ -365,7 +507,8 @@ async def job_statement(session: AsyncSession, job: Job) -> dict:
     legs = await entries(session, job_id=job.id)
     escrow_legs = [e for e in legs if e["account"] == escrow_account(job.id)]
     reserved = sum(e["amount"] for e in escrow_legs if e["kind"] == "reserve")
-    paid = -sum(e["amount"] for e in escrow_legs if e["kind"] == "pay")
+    # What nodes were paid, less what a banned node forfeited back.
+    paid = -sum(e["amount"] for e in escrow_legs if e["kind"] in ("pay", "forfeit"))
     refunded = -sum(e["amount"] for e in escrow_legs if e["kind"] == "refund")
     return {"job_id": job.id, "state": job.state, "owner_id": job.owner_id, "budget": spec.budget,
             "reserved": round(reserved, 6), "paid": round(paid, 6), "refunded": round(refunded, 6),

@@ -14,6 +14,7 @@ Rules
   model, and take one slot per node (`gpus_per_node == 1`). A `verified_only` job gets only nodes that passed the
   GPU challenge (`verified`), CPU nodes included. A job that runs its owner's own code (`spec.custom_code`) gets
   only nodes whose operator opted in to running such code (`resources.custom_code`); built-in workloads run on any.
+  A federated job (`spec.local_dataset`) gets only nodes that hold that dataset (`resources.datasets`).
 - Price: the node's ask (`price_per_gpu_hour`; per slot-hour for a CPU node) is at most the job's bid
   (`max_price_per_gpu_hour`; None takes any ask). A match clears at the node's ask: a pay-as-bid reverse auction,
   where each node is paid what it asked and the job never pays more than its bid.
@@ -113,6 +114,7 @@ class JobView:
     members: frozenset[str] = frozenset()  # node ids with an active assignment in this job
     active_shards: frozenset[int] = frozenset()
     funded: bool = True  # False: the owner cannot cover the budget, so the job takes no node
+    excluded: frozenset[str] = frozenset()  # node ids this job never takes again (banned from it)
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,8 @@ def eligible(node: NodeView, spec: JobSpec) -> bool:
     if spec.requirements.verified_only and not node.verified:
         return False
     if spec.custom_code and not node.resources.custom_code:
+        return False
+    if spec.local_dataset is not None and spec.local_dataset not in node.resources.datasets:
         return False
     bid = spec.max_price_per_gpu_hour
     if bid is not None and not node.price_per_gpu_hour <= bid:
@@ -228,11 +232,11 @@ class _Group:
     """Nodes of one capability, best `node_score` first, with a `_Room` per number of GPUs that jobs ask for."""
 
     __slots__ = ("order", "asks", "by_ask", "rooms", "is_cpu", "verified", "models", "min_memory", "custom_code",
-                 "head")
+                 "datasets", "head")
 
     def __init__(self, key: tuple, members: list[int], base: list[float], ask: list[float], plain: bool = False):
         """`members` in ascending order; `plain`: no NaN in `base` and `ask`, so one-float keys sort the same."""
-        self.is_cpu, self.verified, self.models, self.min_memory, self.custom_code = key
+        self.is_cpu, self.verified, self.models, self.min_memory, self.custom_code, self.datasets = key
         if plain:  # stable sorts: equal scores (asks) stay in ascending i
             self.order = sorted(members, key=base.__getitem__, reverse=True)
             self.by_ask = sorted(members, key=ask.__getitem__)
@@ -244,10 +248,12 @@ class _Group:
         self.rooms: dict[int, _Room] = {}
 
     def serves(self, allow_cpu_slot: bool, min_memory: float, allowed: frozenset[str] | None,
-               verified_only: bool, custom_code: bool) -> bool:
+               verified_only: bool, custom_code: bool, dataset: str | None) -> bool:
         if verified_only and not self.verified:
             return False
         if custom_code and not self.custom_code:
+            return False
+        if dataset is not None and dataset not in self.datasets:
             return False
         if self.is_cpu:
             return allow_cpu_slot
@@ -260,11 +266,18 @@ class _Group:
 
 
 def _capability(node: NodeView) -> tuple:
-    gpus, custom = node.resources.gpus, node.resources.custom_code
+    gpus, custom, datasets = node.resources.gpus, node.resources.custom_code, _datasets(node.resources)
     if not gpus:
-        return (True, node.verified, frozenset(), 0.0, custom)
+        return (True, node.verified, frozenset(), 0.0, custom, datasets)
     return (False, node.verified, frozenset(g.model.casefold() for g in gpus), min(g.memory_gb for g in gpus),
-            custom)
+            custom, datasets)
+
+
+_NO_DATASETS: frozenset[str] = frozenset()
+
+
+def _datasets(resources) -> frozenset[str]:
+    return frozenset(resources.datasets) if resources.datasets else _NO_DATASETS
 
 
 def _free_gpus(node: NodeView) -> int:
@@ -336,7 +349,8 @@ class _Market:
                     continue
                 if (models := one_model.get(gpu.model)) is None:
                     models = one_model[gpu.model] = frozenset((gpu.model.casefold(),))
-                keys.append((False, n.verified, models, gpu.memory_gb, resources.custom_code))
+                keys.append((False, n.verified, models, gpu.memory_gb, resources.custom_code,
+                             _datasets(resources)))
             else:
                 if (room := _free_gpus(n)) <= 0:
                     continue
@@ -401,7 +415,8 @@ class _Market:
         req, gpus = spec.requirements, spec.gpus_per_node
         allowed = frozenset(m.casefold() for m in req.gpu_models) if req.gpu_models else None
         allow_cpu_slot = req.allow_cpu and gpus == 1 and req.min_gpu_memory_gb == 0 and allowed is None
-        key = (allow_cpu_slot, req.min_gpu_memory_gb, allowed, req.verified_only, spec.custom_code)
+        key = (allow_cpu_slot, req.min_gpu_memory_gb, allowed, req.verified_only, spec.custom_code,
+               spec.local_dataset)
         if (serving := self.serving.get(key)) is None:
             groups = [grp for grp in self.groups if grp.serves(*key)]
             if self.plain:
@@ -417,7 +432,7 @@ class _Market:
         # be among the best (one scoring the same still can, with a smaller id). Each group is sorted by score and
         # the groups by their best node, so the walks stop at the floor, and the first group whose best is below
         # it ends them all. (NaN scores compare false both ways: a market with one is walked whole.)
-        skip = {i for m in job.members if (i := self.index_of.get(m)) is not None}
+        skip = {i for m in job.members | job.excluded if (i := self.index_of.get(m)) is not None}
         near: set[int] = set()
         if job.members:
             index_get = self.index_of.get

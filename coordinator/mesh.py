@@ -1,9 +1,11 @@
 """The coordinator's side of the WireGuard mesh: addresses, peer lists, and pushing changes to nodes.
 
 Owns the persisted IPAM state (`gpuswarm.mesh.ipam` does the arithmetic), each node's peer list (every other
-online, unrevoked node of the mesh), and `MeshVersion`, the change counter that long-polling nodes wait on.
-The version starts from the clock in milliseconds, so it never goes backwards across a coordinator restart and
-a node's `since` from before the restart is simply answered at once.
+online, unrevoked node of the mesh, with the relay to route through where the two have no direct path), the relay
+plan (`update_relays`, run by the leader's supervisor: `gpuswarm.mesh.relays` decides), and `MeshVersion`, the
+change counter that long-polling nodes wait on. The version starts from the clock in milliseconds, so it never
+goes backwards across a coordinator restart and a node's `since` from before the restart is simply answered at
+once.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import asyncio
 import contextlib
 import time
 
-from gpuswarm.coordinator.db import MeshIPAM, Node
+from gpuswarm.coordinator.db import MeshIPAM, MeshRelay, Node
 from gpuswarm.mesh import ipam
+from gpuswarm.mesh.relays import plan_relays
 from gpuswarm.proto.models import MeshConfig, MeshPeer
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 
@@ -34,7 +37,8 @@ class MeshVersion:
         """Return as soon as the version is past `since`, or after `timeout` seconds with the current version."""
         async with self._changed:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.value > since), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait_for(lambda: self.value > since)
         return self.value
 
 
@@ -60,13 +64,41 @@ async def release_address(session: AsyncSession, cidr: str, public_key: str, now
     row.state = ipam.release(row.state, public_key, now)
 
 
-def as_peer(node: Node) -> MeshPeer:
+def as_peer(node: Node, via: str | None = None) -> MeshPeer:
     return MeshPeer(node_id=node.id, public_key=node.wg_public_key, address=node.mesh_address,
-                    endpoints=node.mesh_endpoints or [])
+                    endpoints=node.mesh_endpoints or [], via=via)
+
+
+def _in_mesh():
+    return Node.online.is_(True), Node.revoked.is_(False), Node.mesh_address.is_not(None)
 
 
 async def mesh_config(session: AsyncSession, node: Node, cidr: str, version: int) -> MeshConfig:
-    others = (await session.scalars(select(Node).where(
-        Node.id != node.id, Node.online.is_(True), Node.revoked.is_(False), Node.mesh_address.is_not(None),
-    ).order_by(Node.id))).all()
-    return MeshConfig(address=node.mesh_address, cidr=cidr, version=version, peers=[as_peer(n) for n in others])
+    others = (await session.scalars(select(Node).where(Node.id != node.id, *_in_mesh()).order_by(Node.id))).all()
+    relays = (await session.scalars(select(MeshRelay).where(
+        or_(MeshRelay.node_a == node.id, MeshRelay.node_b == node.id, MeshRelay.relay == node.id)))).all()
+    via = {(r.node_b if r.node_a == node.id else r.node_a): r.relay for r in relays if r.relay != node.id}
+    return MeshConfig(address=node.mesh_address, cidr=cidr, version=version,
+                      peers=[as_peer(n, via.get(n.id)) for n in others],
+                      forward=any(r.relay == node.id for r in relays))
+
+
+async def update_relays(session: AsyncSession, now: float) -> bool:
+    """Plan relays again from the online nodes' latest reports; True when the plan changed (bump the mesh)."""
+    unreachable = dict((await session.execute(select(Node.id, Node.mesh_unreachable).where(*_in_mesh()))).all())
+    current = {(r.node_a, r.node_b): r for r in (await session.scalars(select(MeshRelay))).all()}
+    if not current and not any(unreachable.values()):
+        return False  # the usual case: every pair has its path (and the RTTs need not be read)
+    rtts = dict((await session.execute(select(Node.id, Node.peer_rtt_ms).where(*_in_mesh()))).all())
+    plan = plan_relays(unreachable, {n: r or {} for n, r in rtts.items()},
+                       {n: u or () for n, u in unreachable.items()}, {p: r.relay for p, r in current.items()})
+    if plan == {p: r.relay for p, r in current.items()}:
+        return False
+    for p, row in current.items():
+        if p not in plan:
+            await session.delete(row)
+        elif plan[p] != row.relay:
+            row.relay, row.since = plan[p], now
+    session.add_all(MeshRelay(node_a=a, node_b=b, relay=relay, since=now)
+                    for (a, b), relay in plan.items() if (a, b) not in current)
+    return True

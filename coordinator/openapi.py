@@ -89,9 +89,11 @@ def build(app: web.Application) -> dict[str, Any]:
             schema = {}
             refs.append((schema, SignedEnvelope if meta["signed"] else meta["body"]))
             if meta["signed"]:
-                refs.append(({}, meta["body"]))  # the payload's schema, named in the description
+                payload: dict[str, Any] = {}
+                refs.append((payload, meta["body"]))
                 operation["description"] += (f"\n\nThe body is a SignedEnvelope of kind `{meta['signed']}` whose "
                                              f"payload is a {meta['body'].__name__}.")
+                operation["x-signed"] = {"kind": meta["signed"], "payload": payload}  # for clients and the fuzz test
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
         operations.setdefault(path, {})[route.method.lower()] = operation
     models = sorted({model for _, model in refs} | {SignedEnvelope}, key=lambda m: (m.__name__, m.__module__))

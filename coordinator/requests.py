@@ -32,16 +32,22 @@ async def read_json(request: web.Request, limit: int | None = None) -> Any:
         raw += chunk
     if len(raw) > limit:
         raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"malformed JSON: {e}", code="malformed_json") from None
-    except RecursionError:
-        raise BadRequest("malformed JSON: nested too deeply", code="malformed_json") from None
+    data = _loads(raw, "")
     if _has_nul(data):
         # PostgreSQL text cannot hold NUL (SQLite would store it): refuse it here for every database alike.
         raise Unprocessable("text must not contain NUL characters (\\u0000)", code="nul_character")
     return data
+
+
+def _loads(raw: bytes | str, where: str) -> Any:
+    """JSON, or 400 malformed_json. ValueError covers more than syntax: undecodable bytes, and integers longer than
+    Python's 4,300-digit conversion limit."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"malformed JSON{where}: nested too deeply", code="malformed_json") from None
+    except ValueError as e:
+        raise BadRequest(f"malformed JSON{where}: {str(e)[:200]}", code="malformed_json") from None
 
 
 def _has_nul(data: Any) -> bool:
@@ -74,10 +80,7 @@ def envelope_header(request: web.Request) -> Any:
     header = request.headers.get(ENVELOPE_HEADER)
     if header is None:
         raise Unauthorized(f"artifact uploads need a signed {ENVELOPE_HEADER} header", code="bad_signature")
-    try:
-        return json.loads(header)
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"malformed JSON in {ENVELOPE_HEADER}: {e}", code="malformed_json") from None
+    return _loads(header, f" in {ENVELOPE_HEADER}")
 
 
 def step_query(request: web.Request, name: str) -> int | None:

@@ -1,7 +1,8 @@
 """gpuswarm.dht: the swarm's hivemind DHT peer, its record validators, and the operators' `gpuswarm dht` tools.
 
 - `swarm`: `SwarmDHT`, the DHT peer process every gpuswarm process runs (it dies with its owner).
-- `validators`: `NodeAdvertValidator`, which keeps node adverts signed and owned (rules in `proto.dht`).
+- `validators`: every record's proof chained to the coordinator (`SwarmRecordValidator`) and signed, owned
+  node adverts (`NodeAdvertValidator`); the rules are in `proto.dht`.
 - `hivemind_adapter`: the one module that reaches past hivemind's public API, pinned to hivemind 1.1.12.
 - `inspect`: reading and decoding the DHT's records from a short-lived client-mode peer.
 - `cli`: the `gpuswarm dht` command group (its Ctrl-C handling is `gpuswarm.ctrl_c`).

@@ -59,21 +59,25 @@ def coordinator_api(coordinator: str, timeout: float):
     return SyncClient(coordinator, timeout=timeout)
 
 
-def resolve_initial_peers(initial_peers: list[str] | None, coordinator: str | None, timeout: float) -> list[str]:
-    if initial_peers:
-        return initial_peers
-    if not coordinator:
+def resolve_initial_peers(initial_peers: list[str] | None, coordinator: str | None,
+                          timeout: float) -> tuple[list[str], str | None]:
+    """(the bootstrap multiaddrs, the coordinator's authority key that records are checked against: None without
+    --coordinator)."""
+    if not initial_peers and not coordinator:
         raise fail("give --initial-peer MULTIADDR or --coordinator URL (or set GPUSWARM_COORDINATOR)")
+    if not coordinator:
+        return initial_peers, None
     from gpuswarm.client.api import ApiError
 
     try:
         with coordinator_api(coordinator, timeout) as api:
-            peers = api.dht().initial_peers
+            info = api.dht()
     except ApiError as e:
         raise fail(f"cannot get the DHT's bootstrap peers from {coordinator}: {e}") from None
+    peers = initial_peers or info.initial_peers
     if not peers:
         raise fail(f"the coordinator at {coordinator} runs no DHT bootstrap peer")
-    return peers
+    return peers, info.authority
 
 
 def coordinator_job_ids(coordinator: str | None, timeout: float) -> list[str]:
@@ -94,10 +98,10 @@ def session(initial_peer: list[str] | None, coordinator: str | None, timeout: fl
     """Bootstrap, yield the DHT, shut it down; DHT trouble becomes a clear message and exit code 1."""
     from gpuswarm.dht.inspect import DHTUnreachable, open_dht  # the command imported it already
 
-    peers = resolve_initial_peers(initial_peer, coordinator, timeout)
+    peers, authority = resolve_initial_peers(initial_peer, coordinator, timeout)
     ctrl_c.interrupted()
     try:
-        with open_dht(peers, timeout) as dht:
+        with open_dht(peers, timeout, authority) as dht:
             ctrl_c.interrupted()
             yield dht
     except DHTUnreachable as e:
@@ -225,9 +229,11 @@ def get_command(key: Annotated[str, typer.Argument(help="The key, e.g. gpuswarm.
                 timeout: Timeout = DEFAULT_TIMEOUT, as_json: JsonFlag = False) -> None:
     """A record, decoded (msgpack -> JSON), with each subkey's signature status.
 
-    "ed25519-verified": a node advert's signed envelope (proto.dht.decode_advert); "rsa-verified": a record whose
-    key or subkey names an RSA owner (hivemind's progress records), checked on the raw record by hivemind's
-    RSASignatureValidator; "unsigned": anything else."""
+    WRITER: the node whose proof the record carries, checked against the coordinator's key (with --coordinator):
+    "UNREGISTERED" and why for a record no honest peer accepts (gpuswarm.proto.dht says what a proof is).
+    SIGNATURE: "ed25519-verified": a node advert's signed envelope (proto.dht.decode_advert); "rsa-verified": a
+    record whose key or subkey names an RSA owner (hivemind's progress records), checked on the raw record by
+    hivemind's RSASignatureValidator; "unsigned": anything else."""
     with needs_extra("node"):
         from gpuswarm.dht.inspect import fetch
 
@@ -239,11 +245,11 @@ def get_command(key: Annotated[str, typer.Argument(help="The key, e.g. gpuswarm.
         return print_json(result)
     if not result["found"]:
         return console.print(f"no record under {key!r}")
-    table = Table("SUBKEY", "SIGNATURE", "EXPIRES IN", "VALUE",
+    table = Table("SUBKEY", "WRITER", "SIGNATURE", "EXPIRES IN", "VALUE",
                   title=f"{key} (expires in {expires_in(result['expiration'])})")
     for rec in result["records"]:
-        table.add_row(rec["subkey"] or "(value)", rec["signature"], expires_in(rec["expiration"]),
-                      escape(json.dumps(rec["value"], sort_keys=True)))
+        table.add_row(rec["subkey"] or "(value)", escape(rec["writer"]), rec["signature"],
+                      expires_in(rec["expiration"]), escape(json.dumps(rec["value"], sort_keys=True)))
     console.print(table)
 
 
@@ -292,7 +298,9 @@ def watch_command(
 @dht_app.command("nodes")
 def nodes_command(initial_peer: InitialPeers = None, coordinator: Coordinator = None,
                   timeout: Timeout = DEFAULT_TIMEOUT, as_json: JsonFlag = False) -> None:
-    """The nodes' GPU adverts (gpuswarm.nodes), each checked against its node's Ed25519 signature."""
+    """The nodes' GPU adverts (gpuswarm.nodes), each checked against its node's Ed25519 signature and, with
+    --coordinator, against the coordinator's key: REGISTERED says "NO" (and why) for an advert whose node the
+    coordinator never registered, or whose proof fails; no honest peer stores or returns such an advert."""
     with needs_extra("node"):
         from gpuswarm.dht.inspect import fetch
 
@@ -301,10 +309,11 @@ def nodes_command(initial_peer: InitialPeers = None, coordinator: Coordinator = 
     if "error" in result:
         raise fail(result["error"])
     rows = [dict(rec.get("advert") or {"node_id": rec["subkey"]}, signature=rec["signature"],
-                 dht_expiration=rec["expiration"]) for rec in result["records"]]
+                 registered=rec["registered"], writer=rec["writer"], dht_expiration=rec["expiration"])
+            for rec in result["records"]]
     if as_json:
         return print_json(rows)
-    table = Table("NODE", "STATE", "GPUS", "CPU/RAM", "PRICE", "MADDRS", "EXPIRES IN", "SIGNATURE")
+    table = Table("NODE", "STATE", "GPUS", "CPU/RAM", "PRICE", "MADDRS", "EXPIRES IN", "SIGNATURE", "REGISTERED")
     for n in rows:
         res = n.get("resources")
         gpus = "-" if res is None else ", ".join(
@@ -312,8 +321,14 @@ def nodes_command(initial_peer: InitialPeers = None, coordinator: Coordinator = 
         table.add_row(n["node_id"], n.get("state", "-"), gpus,
                       "-" if res is None else f"{res['cpu_cores']}c/{res['ram_gb']:.0f}G",
                       "-" if res is None else f"{n['price_per_gpu_hour']:.2f}", "\n".join(n.get("maddrs") or []) or "-",
-                      expires_in(n["dht_expiration"]), n["signature"])
+                      expires_in(n["dht_expiration"]), n["signature"], registered_cell(n))
     console.print(table if rows else "no node adverts in the DHT")
+
+
+def registered_cell(row: dict) -> str:
+    if row["registered"] is None:
+        return "? (give --coordinator)"
+    return "yes" if row["registered"] else f"[red]NO[/red]: {escape(row['writer'].removeprefix('UNREGISTERED: '))}"
 
 
 @dht_app.command("progress")

@@ -205,3 +205,103 @@ def averager_compression(name: str):
         return SizeAdaptiveCompression(EIGHT_BIT_MIN_NUMEL, less=Float16Compression(),
                                        greater_equal=Uniform8BitQuantization())
     raise ValueError(f"unknown averaging compression {name!r}; one of {', '.join(AVERAGING_COMPRESSIONS)}")
+
+
+def install_robust_reducer(outlier_log: str | None = None) -> None:
+    """Make every all-reduce round of this process (and of averager processes forked after this call) reduce with
+    `dht.robust.robust_mean` instead of hivemind's weighted mean: NaN and Inf parts are dropped, each peer's pull
+    is clipped (centered clipping), and senders far from the result are logged as outliers, one JSON line each
+    in `outlier_log` when given ({"peer_id", "part", "reason", "at"}). Idempotent.
+
+    Reaches past the public API twice: it replaces `hivemind.averaging.allreduce.TensorPartReducer` (the class
+    `AllReduceRunner` builds its reducer from) and wraps `AllReduceRunner.__init__` to hand the reducer its senders'
+    peer ids. tests/dht/test_robust_averaging.py runs it in real averaging rounds."""
+    from hivemind.averaging import allreduce
+
+    global _OUTLIER_LOG
+    _OUTLIER_LOG = outlier_log
+    if getattr(allreduce.AllReduceRunner.__init__, "_gpuswarm_robust", False):
+        return
+    allreduce.TensorPartReducer = _robust_reducer_class()
+    original = allreduce.AllReduceRunner.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.tensor_part_reducer.sender_peer_ids = list(self.sender_peer_ids)
+
+    init._gpuswarm_robust = True
+    allreduce.AllReduceRunner.__init__ = init
+
+
+_OUTLIER_LOG: str | None = None
+_ROBUST_REDUCER = None
+
+
+def _robust_reducer_class():
+    """hivemind's TensorPartReducer, keeping every sender's part of the current slot and reducing them together
+    once all have arrived (the mean needs only a running sum; a robust mean needs all of them)."""
+    global _ROBUST_REDUCER
+    if _ROBUST_REDUCER is not None:
+        return _ROBUST_REDUCER
+    import asyncio
+    import json
+    import logging
+    import time
+
+    from gpuswarm.dht.robust import robust_mean
+    from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+
+    log = logging.getLogger(__name__)
+
+    class RobustPartReducer(TensorPartReducer):
+        sender_peer_ids: list = []
+
+        def reset_accumulators(self):
+            self.received: dict[int, tuple] = {}
+            super().reset_accumulators()
+
+        async def accumulate_part(self, sender_index, part_index, tensor_part, weight=1.0):
+            assert 0 <= sender_index < self.num_senders, "invalid sender index"
+            assert 0 <= part_index < self.num_parts, "invalid part index"
+            self.num_parts_received[sender_index] += 1
+            while part_index > self.current_part_index:
+                await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if self.finished.is_set():
+                    raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+            if self.sender_failed_after[sender_index] != float("inf"):
+                raise BannedException(f"sender {sender_index} was banned in background")
+            assert part_index == self.current_part_index
+            future = self.current_part_future
+            if part_index < self.sender_failed_after[sender_index]:
+                self.received[sender_index] = (tensor_part, float(weight))
+                self.current_part_accumulated_from += 1
+                self.check_current_part_finished()
+            return await future
+
+        def check_current_part_finished(self):
+            assert self.current_part_accumulated_from <= self.num_current_senders
+            if self.current_part_accumulated_from != self.num_current_senders:
+                return
+            senders = sorted(self.received)
+            if senders:
+                result = robust_mean([self.received[s][0] for s in senders], [self.received[s][1] for s in senders])
+                for k, why in result.outliers.items():
+                    self._report(senders[k], why)
+                value = result.value
+            else:
+                value = self.accumulator
+            self.current_part_future.set_result(value)
+            self.reset_accumulators()
+
+        def _report(self, sender_index: int, why: str) -> None:
+            ids = self.sender_peer_ids
+            peer = str(ids[sender_index]) if sender_index < len(ids) else f"sender {sender_index}"
+            log.warning("averaging: peer %s clipped in part %d: %s", peer, self.current_part_index, why)
+            if _OUTLIER_LOG:
+                with open(_OUTLIER_LOG, "a") as f:
+                    f.write(json.dumps({"peer_id": peer, "part": self.current_part_index, "reason": why,
+                                        "at": time.time()}) + "\n")
+
+    _ROBUST_REDUCER = RobustPartReducer
+    return RobustPartReducer

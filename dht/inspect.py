@@ -26,17 +26,13 @@ from typing import Any
 
 from gpuswarm.dht import hivemind_adapter
 from gpuswarm.dht.swarm import SwarmDHT
-from gpuswarm.dht.validators import NodeAdvertValidator
-from gpuswarm.proto.dht import NODES_KEY, decode_advert, job_run_id
-from hivemind.dht.crypto import RSASignatureValidator
+from gpuswarm.dht.validators import check_record, validators
+from gpuswarm.proto.dht import NODES_KEY, RUN_SUFFIXES, decode_advert, job_run_id, split_proof
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 
 from gpuswarm.ctrl_c import interrupted
 
-MEMBERS_SUFFIX = ".members"  # gpuswarm.node.worker.wait_for_members: the run's members check in under it
-# The suffixes gpuswarm and hivemind append to a run id, in the order `ls` lists them.
-RUN_SUFFIXES = (hivemind_adapter.HIVEMIND_RUN_KEY_SUFFIXES[0], MEMBERS_SUFFIX,
-                *hivemind_adapter.HIVEMIND_RUN_KEY_SUFFIXES[1:])
 RUN_ID_RE = re.compile(r"gpuswarm_j_[A-Za-z0-9]+")  # job_run_id of a coordinator job id (j-<hex>)
 
 
@@ -48,13 +44,16 @@ class DHTUnreachable(RuntimeError):
 
 
 @contextlib.contextmanager
-def open_dht(initial_peers: list[str], timeout: float):
-    """A client-mode DHT peer that validates (and so can decode) adverts and RSA-signed records; always shut down."""
+def open_dht(initial_peers: list[str], timeout: float, authority: str | None = None):
+    """A client-mode DHT peer, always shut down. Its validators accept every record (strict=False), so that what
+    fails can be shown and marked: `decode_record` checks each one against `authority` (the coordinator's key, kept
+    as `dht.authority`)."""
     try:
         dht = SwarmDHT(initial_peers=initial_peers, client_mode=True, start=False, wait_timeout=min(timeout, 5.0),
-                       record_validators=[NodeAdvertValidator(), RSASignatureValidator()])
+                       record_validators=validators(authority, strict=False))
     except Exception as e:  # a malformed multiaddr
         raise DHTUnreachable(f"invalid --initial-peer: {e}") from None
+    dht.authority = authority
     dht.run_in_background(await_ready=False)
     try:
         try:
@@ -192,8 +191,25 @@ def show_subkey(key: str, subkey: Any) -> str:
     return str(jsonable(subkey))
 
 
-def decode_record(key: str, key_id: bytes, subkey: Any, raw: bytes, expiration: float) -> dict:
-    """One record: its value decoded, and how (whether) its signature checked out."""
+def writer_of(key_id: bytes, subkey: Any, raw: bytes, expiration: float, authority: str | None) -> dict:
+    """Who wrote a record, by its proof (gpuswarm.proto.dht): a node the coordinator registered, or not."""
+    if authority is None:
+        return {"registered": None, "writer": "not checked (no coordinator key: give --coordinator)"}
+    try:
+        chain, _ = check_record(DHTRecord(key_id, hivemind_adapter.pack(subkey), raw, expiration), authority)
+    except Exception as e:  # noqa: BLE001 - whatever fails, the record is not one this swarm's peers accept
+        return {"registered": False, "writer": f"UNREGISTERED: {e}"}
+    return {"registered": True, "writer": f"node {chain.cert.node_id}"}
+
+
+def decode_record(key: str, key_id: bytes, subkey: Any, raw: bytes, expiration: float,
+                  authority: str | None = None) -> dict:
+    """One record: its value decoded, who wrote it (`writer_of`), and how its own signature checked out."""
+    writer = writer_of(key_id, subkey, raw, expiration, authority)
+    try:
+        raw = split_proof(raw)[0]
+    except ValueError:
+        pass
     signature = "unsigned"
     if hivemind_adapter.rsa_owner(key.encode()) is not None or \
             (isinstance(subkey, bytes) and hivemind_adapter.rsa_owner(subkey) is not None):
@@ -203,8 +219,8 @@ def decode_record(key: str, key_id: bytes, subkey: Any, raw: bytes, expiration: 
         value = hivemind_adapter.unpack(raw)
     except Exception as e:
         return {"subkey": show_subkey(key, subkey), "expiration": expiration, "signature": signature,
-                "value": None, "error": f"undecodable value: {e!r}"}
-    row = {"subkey": show_subkey(key, subkey), "expiration": expiration, "signature": signature}
+                **writer, "value": None, "error": f"undecodable value: {e!r}"}
+    row = {"subkey": show_subkey(key, subkey), "expiration": expiration, "signature": signature, **writer}
     if key == NODES_KEY:
         try:
             advert = decode_advert(value)
@@ -219,7 +235,7 @@ def decode_record(key: str, key_id: bytes, subkey: Any, raw: bytes, expiration: 
     return row
 
 
-def decode_result(key: str, found: dict | None) -> dict:
+def decode_result(key: str, found: dict | None, authority: str | None = None) -> dict:
     """A lookup's answer as JSON: found or not, the key's expiry, and its records (one per subkey)."""
     if found is None:
         return {"key": key, "found": False, "records": []}
@@ -227,10 +243,10 @@ def decode_result(key: str, found: dict | None) -> dict:
         return {"key": key, "found": False, "error": found["error"], "records": []}
     out = {"key": key, "found": True, "expiration": found["expiration"]}
     if "subkeys" in found:
-        out["records"] = [decode_record(key, found["key_id"], s, raw, exp)
+        out["records"] = [decode_record(key, found["key_id"], s, raw, exp, authority)
                           for s, (raw, exp) in sorted(found["subkeys"].items(), key=lambda kv: str(kv[0]))]
     elif "value" in found:
-        out["records"] = [decode_record(key, found["key_id"], None, found["value"], found["expiration"])]
+        out["records"] = [decode_record(key, found["key_id"], None, found["value"], found["expiration"], authority)]
     else:
         decoded = found["decoded"]
         items = decoded.items() if isinstance(decoded, dict) else [(None, (decoded, found["expiration"]))]
@@ -243,7 +259,7 @@ def decode_result(key: str, found: dict | None) -> dict:
 def fetch(dht, keys: list[str], timeout: float) -> dict[str, dict]:
     """Look `keys` up and decode what was found: {key: decode_result(...)}."""
     raw = run_in_dht(dht, _FetchRaw(tuple(keys), timeout), timeout)
-    return {key: decode_result(key, raw.get(key)) for key in keys}
+    return {key: decode_result(key, raw.get(key), getattr(dht, "authority", None)) for key in keys}
 
 
 # ------------------------------------------------------------------------------------------------- key names

@@ -25,6 +25,8 @@ PR_SET_PDEATHSIG = 1
 
 
 class SwarmDHT(hivemind.DHT):
+    authority: str | None = None  # for readers (gpuswarm.dht.inspect): the coordinator's key records are checked with
+
     def __init__(self, *args, **kwargs):
         self._owner_pid = os.getpid()  # before hivemind's __init__, which may start the process
         super().__init__(*args, **kwargs)

@@ -10,6 +10,7 @@ import typer
 
 from gpuswarm.client.jobcli import job_app
 from gpuswarm.client.nodescli import nodes_app
+from gpuswarm.client.sweepcli import sweep_app
 from gpuswarm.coordinator.cli import coordinator_app
 from gpuswarm.dht.cli import dht_app
 from gpuswarm.mesh.cli import mesh_app
@@ -20,6 +21,7 @@ app = typer.Typer(help="gpuswarm: a peer-to-peer GPU marketplace.", no_args_is_h
 app.add_typer(coordinator_app, name="coordinator")
 app.add_typer(node_app, name="node")
 app.add_typer(job_app, name="job")
+app.add_typer(sweep_app, name="sweep")
 app.add_typer(mesh_app, name="mesh")
 app.add_typer(nodes_app, name="nodes")
 app.add_typer(dht_app, name="dht")

@@ -14,6 +14,12 @@
 `choose_backend()` picks one (kernel only where the module is loaded) and logs which. Owns the interface and the
 wireguard-go process; does not decide which peers should exist (that is the reconciler's) nor allocate addresses
 (IPAM's). All methods block (netlink, a unix socket, process waits); async callers use `asyncio.to_thread`.
+
+Relaying (`MeshBackend.set_forwarding`, for a node the coordinator chose to relay between two peers that have no
+direct path): IPv4 forwarding on this interface alone, and only back into the mesh. Packets that arrive on the
+interface are looked up in a table of their own (a policy rule on the input interface) that holds the mesh route
+and an `unreachable` default, so a peer can never use a relay to reach its LAN or the internet; local delivery
+(the local table comes first) is unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import abc
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import fcntl
 import ipaddress
 import logging
@@ -30,10 +37,12 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +64,7 @@ from gpuswarm.mesh.uapi import (
 logger = logging.getLogger(__name__)
 
 PEER_FIELDS = frozenset({"endpoint", "allowed_ips", "persistent_keepalive"})
+RELAY_RULE_PRIORITY = 100  # before the main table (32766): packets from the mesh never reach its default route
 INTERFACE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")  # IFNAMSIZ - 1
 T = TypeVar("T")
 
@@ -157,6 +167,49 @@ def _configure_link(interface: str, address: str, prefixlen: int, mtu: int | Non
     _off_loop(apply)
 
 
+def _relay_table(interface: str) -> int:
+    """The routing table of the interface's relay rule: stable per name (the ifindex changes when wireguard-go
+    is restarted), clear of the reserved tables (253-255)."""
+    return 0x10000000 + zlib.crc32(interface.encode()) % 0x0FFFFFFF
+
+
+def _set_forwarding(interface: str, on: bool, cidr: str) -> None:
+    from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    net = ipaddress.ip_network(cidr, strict=True)
+    table = _relay_table(interface)
+    sysctl = Path(f"/proc/sys/net/ipv4/conf/{interface}/forwarding")
+
+    def apply() -> None:
+        with IPRoute() as ipr:
+            found = ipr.link_lookup(ifname=interface)
+            if not on:
+                if found:
+                    sysctl.write_text("0")
+                with contextlib.suppress(NetlinkError):  # ENOENT: no rule, already off
+                    ipr.rule("del", table=table, priority=RELAY_RULE_PRIORITY, iifname=interface)
+                ipr.flush_routes(table=table)
+                return
+            if not found:
+                raise BackendError(f"interface {interface} does not exist in this network namespace")
+            try:
+                ipr.route("replace", dst=str(net.network_address), dst_len=net.prefixlen, oif=found[0], table=table)
+                ipr.route("replace", dst="0.0.0.0", dst_len=0, type="unreachable", table=table)
+                rules = [r for r in ipr.get_rules(family=socket.AF_INET)
+                         if r.get_attr("FRA_TABLE") == table and r.get_attr("FRA_IIFNAME") == interface]
+                if not rules:
+                    ipr.rule("add", table=table, priority=RELAY_RULE_PRIORITY, iifname=interface)
+            except NetlinkError as e:
+                raise BackendError(f"cannot set up relay routing on {interface}: {e}") from None
+            sysctl.write_text("1")
+
+    try:
+        _off_loop(apply)
+    except OSError as e:
+        raise BackendError(f"cannot {'enable' if on else 'disable'} forwarding on {interface}: {e}") from None
+
+
 class MeshBackend(abc.ABC):
     """A WireGuard interface the node owns. Peers are changed one at a time; nothing ever replaces them all."""
 
@@ -187,13 +240,18 @@ class MeshBackend(abc.ABC):
 
     @abc.abstractmethod
     def is_running(self) -> bool:
-        """Whether the interface is up. For wireguard-go, False once the process has exited; nothing in gpuswarm
-        polls this yet, so a dead interface is noticed only by the next call's BackendError."""
+        """Whether the interface is up. For wireguard-go, False once the process has exited (the node's path
+        keeper polls this every second and then calls `revive`)."""
 
     def revive(self) -> bool:
         """Bring the interface back after its process died, with the settings of `up` and no peers. Returns
         whether it did (False: it was running, or this backend has no process that can die)."""
         return False
+
+    def set_forwarding(self, on: bool, cidr: str) -> None:
+        """Forward packets between this interface's peers (on: a relay), or stop and remove the relay rule (off).
+        Only destinations inside `cidr` are forwarded; see the module docstring. Idempotent."""
+        _set_forwarding(self.interface, on, cidr)
 
     def __enter__(self) -> MeshBackend:
         return self

@@ -1,8 +1,9 @@
 """The mesh's command group: `gpuswarm mesh status`, this node's WireGuard interface and its peers.
 
-Reads the interface name, the peer map and each peer's path (the path keeper's state, chosen endpoint and RTT)
-that the node daemon keeps in STATE_DIR/mesh.json, and asks the device itself (UAPI) for endpoints, handshakes
-and byte counts. A peer whose RTT the daemon has not measured gets one ICMP echo from here.
+Reads the interface name, the peer map and each peer's path (the path keeper's state, chosen endpoint and RTT,
+or the relay a peer with no direct path goes through) that the node daemon keeps in STATE_DIR/mesh.json, and
+asks the device itself (UAPI) for endpoints, handshakes and byte counts. A peer whose RTT the daemon has not
+measured gets one ICMP echo from here.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def _path(path: dict | None) -> str:
     address the peer reached us from, not one it reported)."""
     if not path:
         return "-"
+    if path.get("via"):
+        return f"relayed via {path['via']}"
     which = f"{path['candidate']}/{len(path.get('candidates', []))}" if path.get("candidate") else "roamed"
     return f"{path['state']} {which}"
 
@@ -61,8 +64,9 @@ def status(
         return known.get(key, {}).get("path") or {}
 
     def rtt_ms(key: str) -> float | None:
-        if path_of(key).get("rtt_ms") is not None:
-            return path_of(key)["rtt_ms"]  # the daemon's own measurement over the path it settled on
+        for field in ("rtt_ms", "relay_rtt_ms"):  # the daemon's own measurement: its settled path, or the relay
+            if path_of(key).get(field) is not None:
+                return path_of(key)[field]
         if key not in known:
             return None
         seconds = icmp_rtt(known[key]["address"], wait_s=1.0)
@@ -81,12 +85,13 @@ def status(
     } for p in device.peers]
     result = {"interface": saved["interface"], "backend": saved.get("backend"), "address": saved["address"],
               "cidr": saved["cidr"], "listen_port": device.listen_port, "public_key": device.public_key,
-              "peers": peers}
+              "relaying": bool(saved.get("forwarding")), "peers": peers}
     if as_json:
         print_json(result)
         return
     console.print(f"interface [bold]{result['interface']}[/bold] ({result['backend']})  address {result['address']}"
-                  f"  network {result['cidr']}  port {result['listen_port']}  key {result['public_key']}")
+                  f"  network {result['cidr']}  port {result['listen_port']}  key {result['public_key']}"
+                  + ("  [bold]relaying[/bold] for peers without a direct path" if result["relaying"] else ""))
     table = Table("NODE", "MESH ADDRESS", "ENDPOINT", "PATH", "HANDSHAKE", "RX", "TX", "RTT")
     for p in peers:
         handshake = "never" if p["latest_handshake"] is None else f"{now - p['latest_handshake']:.0f}s ago"

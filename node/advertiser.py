@@ -2,8 +2,9 @@
 
 Like petals' announcer, it re-declares every `ttl / 3` seconds, warns when a declaration took longer than the
 period, and says goodbye with an OFFLINE advert on shutdown (`goodbye`, bounded: a node stops within 3 s). The
-advert is signed with the node's identity and checked by `gpuswarm.dht.validators.NodeAdvertValidator` on every
-peer that stores it.
+advert is signed with the node's identity, and the record carries the proof every DHT record needs (the
+coordinator's cert for this node, renewed from heartbeat answers by `renew`, and a session key this node binds):
+`gpuswarm.dht.validators` checks both on every peer that stores or reads it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from gpuswarm.dht import hivemind_adapter
 from gpuswarm.dht.swarm import SwarmDHT
-from gpuswarm.dht.validators import NodeAdvertValidator
+from gpuswarm.dht.validators import SwarmRecordValidator, WriterProof, new_session_key, renewal_due, validators
 from gpuswarm.node.identity import Identity
-from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY
+from gpuswarm.proto.dht import ADVERT_KIND, KEY_KIND, NODES_KEY, binding_for
 from gpuswarm.proto.models import NodeAdvert, NodeState, Resources
+from gpuswarm.proto.signing import SignedEnvelope
 
 logger = logging.getLogger(__name__)
 DHT_START_TIMEOUT = 60.0
@@ -31,6 +34,9 @@ class Advertiser:
         self.host, self.ttl = host, ttl
         self.dht = None
         self.state = NodeState.STARTING
+        self.authority: str | None = None  # the coordinator's, from its registration answer
+        self.proof: WriterProof | None = None
+        self._session = new_session_key()
         self._task: asyncio.Task | None = None
         # Its own threads for blocking hivemind calls, kept off asyncio's default executor (see shutdown).
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dht")
@@ -41,7 +47,8 @@ class Advertiser:
 
         def start_dht():
             dht = SwarmDHT(initial_peers=initial_peers, host_maddrs=[f"/ip4/{self.host}/tcp/0"], start=False,
-                           record_validators=[NodeAdvertValidator()], shutdown_timeout=DHT_STOP_TIMEOUT)
+                           record_validators=validators(self.authority, self.proof),
+                           shutdown_timeout=DHT_STOP_TIMEOUT)
             dht.run_in_background(await_ready=False)
             try:  # bounded: a DHT process that never comes up must not stall the daemon's loop
                 dht.wait_until_ready(timeout=DHT_START_TIMEOUT)
@@ -53,6 +60,18 @@ class Advertiser:
         self.dht = await loop.run_in_executor(self._executor, start_dht)
         await self.declare()
         self._task = asyncio.create_task(self._run(), name="dht-advertiser")
+
+    async def renew(self, cert: SignedEnvelope | None) -> None:
+        """Take the coordinator's fresh cert for this node's advert (when due; see `renewal_due`)."""
+        if cert is None or not renewal_due(self.proof, cert):
+            return
+        private, public = self._session
+        subkeys = [hivemind_adapter.pack(self.identity.node_id)]
+        binding = self.identity.sign(KEY_KIND, binding_for(cert, public, subkeys))
+        self.proof = WriterProof(cert, binding, private)
+        if self.dht is not None:
+            validator = SwarmRecordValidator(self.authority, self.proof)
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.dht.add_validators, [validator])
 
     def advert(self, state: NodeState, expires_at: float) -> dict:
         maddrs = [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []

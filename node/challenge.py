@@ -167,6 +167,46 @@ def answer(solution: Solution, reveal: ChallengeReveal, node_id: str) -> Challen
                           rows=rows)
 
 
+@dataclass(frozen=True)
+class Rehearsal:
+    """A challenge of this node's class, issued, solved and checked here: what the coordinator would conclude."""
+
+    issue: ChallengeIssue
+    seconds: float  # solving: generate, multiply, hash
+    check_seconds: float  # the coordinator's side: decoding and checking the proof
+    proof_ok: bool
+    reason: str
+
+    @property
+    def passed(self) -> bool:
+        return self.proof_ok and self.seconds <= self.issue.time_limit
+
+    @property
+    def gflops(self) -> float:
+        return proto.measured_gflops(self.issue.n, self.seconds)
+
+
+def rehearse(resources: Resources, device: str) -> Rehearsal:
+    """Issue a challenge for `resources`' class as the coordinator would, solve it on `device` to the end (no give
+    up: the time is what matters), answer a random reveal and check the proof."""
+    import secrets
+
+    klass, n = proto.device_class(resources), proto.challenge_size(resources)
+    limit = proto.time_limit(klass, n)
+    issue = ChallengeIssue(challenge_id=f"c-{secrets.token_hex(8)}", node_id="0" * 16, seed=secrets.token_hex(16),
+                           n=n, device_class=klass.name, time_limit=limit, issued_at=0.0, deadline=limit)
+    warm_up(device)
+    solution = solve(issue, device)
+    reveal = ChallengeReveal(challenge_id=issue.challenge_id, r_seed=secrets.token_hex(16),
+                             rows=sorted(secrets.SystemRandom().sample(range(n), proto.OPENED_ROWS)),
+                             proof_deadline=0.0)
+    proof = answer(solution, reveal, issue.node_id)
+    started = time.perf_counter()
+    product, opened = proto.decode_proof(proof, n, reveal.rows)
+    verdict = proto.check_proof(issue.seed, n, solution.root, reveal.r_seed, product, opened)
+    return Rehearsal(issue, solution.seconds, time.perf_counter() - started, verdict.passed, verdict.reason)
+
+
 # ---------------------------------------------------------------------------------------------------- solver process
 
 
@@ -492,7 +532,8 @@ class Challenger:
         if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
-                await asyncio.wait_for(self._task, timeout=STOP_TIMEOUT)
+                async with asyncio.timeout(STOP_TIMEOUT):
+                    await self._task
 
 
 if __name__ == "__main__":

@@ -20,19 +20,23 @@ from gpuswarm.client.api import ApiError, CoordinatorUnavailable, Rejected
 from gpuswarm.node import sandbox
 from gpuswarm.node.advertiser import Advertiser
 from gpuswarm.node.attest import key_signer
+from gpuswarm.node.audits import AuditDesk
 from gpuswarm.node.cache import ArtifactCache, CacheError
 from gpuswarm.node.challenge import Challenger
 from gpuswarm.node.identity import Identity
 from gpuswarm.node.meshlink import MeshLink, MeshUnavailable
 from gpuswarm.node.metrics import GpuReader, MeshPeerStats, MetricsServer, NodeMetrics, NodeSnapshot
 from gpuswarm.node.outbox import Outbox
-from gpuswarm.node.runner import JobInputs, JobRunner, RunningJob
+from gpuswarm.node.runner import JobInputs, JobRunner, RunningJob, reportable
 from gpuswarm.node.states import Facts, next_state
 from gpuswarm.node.trainer_link import Settings
+from gpuswarm.proto.dht import KEY_KIND
 from gpuswarm.proto.models import (
     Assignment,
     AssignmentFailure,
+    CheckpointRef,
     Heartbeat,
+    JobSpec,
     NodeRegistration,
     NodeState,
     Resources,
@@ -68,6 +72,7 @@ class NodeConfig:
     cache_max_bytes: int = 20 * 1024**3  # bound of the artifact cache (job code, datasets, checkpoints)
     sandbox: Settings = field(default_factory=Settings)  # how jobs' code runs: limits, the time for one step
     max_job_hours: float | None = None  # wall-time limit of one job on this node
+    datasets: dict[str, Path] = field(default_factory=dict)  # node-local datasets for federated jobs, by name
 
 
 @dataclass
@@ -92,7 +97,8 @@ class NodeDaemon:
         self.outbox = Outbox(config.state_dir / "outbox")
         self.runner = JobRunner(config.state_dir / "jobs", config.host, self._on_event,
                                 signer=key_signer(identity.private_key)[0], gpu_count=resources.gpu_count,
-                                settings=config.sandbox, max_hours=config.max_job_hours)
+                                settings=config.sandbox, max_hours=config.max_job_hours,
+                                binder=lambda payload: identity.sign(KEY_KIND, payload))
         self.cache = ArtifactCache(config.state_dir / "cache", config.cache_max_bytes)
         self._preparing: dict[str, asyncio.Task] = {}  # job id -> fetching its inputs, then starting it
         self._preparing_for: dict[str, Assignment] = {}
@@ -106,11 +112,14 @@ class NodeDaemon:
         self._endpoints_checked = time.monotonic()
         self._stop_mesh = asyncio.Event()
         self._failures: list[AssignmentFailure] = []
+        self._claimed: dict[str, int] = {}  # job -> the highest epoch of its round reports the coordinator took
         self._uploads: list[PendingUpload] = []
         self._seen_assignments: set[int] = set()  # never restart an assignment that already ran here
         self._stopping: set[str] = set()  # jobs we stopped on purpose: their exit is not a failure
         self._stop_tasks: set[asyncio.Task] = set()
         self.challenger = Challenger(client, resources, identity.node_id)  # GPU challenge, when the coordinator asks
+        self.audits = AuditDesk(client, identity.node_id, config.state_dir / "jobs", self.runner,
+                                lambda job_id, spec: self._fetch_inputs(job_id, spec))
         self.metrics = NodeMetrics(self.metrics_snapshot, GpuReader(enabled=bool(resources.gpus)), __version__)
         self.metrics_server = MetricsServer(self.metrics, config.metrics_host, config.metrics_port) \
             if config.metrics_port else None
@@ -130,8 +139,9 @@ class NodeDaemon:
                     raise  # nothing to retry: stop and say why
                 except Exception:  # one bad round never ends the daemon
                     logger.exception("supervisor step failed; continuing")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=self.interval)
+                with contextlib.suppress(TimeoutError):  # asyncio.timeout: see coordinator.app.supervise
+                    async with asyncio.timeout(self.interval):
+                        await stop.wait()
         finally:
             try:
                 await asyncio.wait_for(self.shutdown(), timeout=self.config.shutdown_timeout)
@@ -205,6 +215,8 @@ class NodeDaemon:
         self.registered, self.reachable = True, True
         self.interval = response.heartbeat_interval
         self.advertiser.ttl = response.advert_ttl
+        self.advertiser.authority = self.runner.authority = response.authority
+        await self.advertiser.renew(response.certificate)
         self._dht_peers = response.dht_initial_peers
         logger.info("registered as %s", self.identity.node_id)
 
@@ -235,6 +247,7 @@ class NodeDaemon:
     def _collect_exits(self) -> None:
         for job, code in self.runner.exited():
             job_id = job.assignment.job_id
+            self._claimed.pop(job_id, None)
             if job_id in self._stopping:
                 self._stopping.discard(job_id)
             elif code != 0:
@@ -243,12 +256,15 @@ class NodeDaemon:
                 self._failures.append(AssignmentFailure(job_id=job_id, reason=reason))
 
     async def _heartbeat(self) -> None:
-        progress = [j.progress for j in self.runner.running.values() if j.progress is not None]
+        progress = [p for j in self.runner.running.values()
+                    if (p := reportable(j.history, self._claimed.get(j.assignment.job_id))) is not None]
         failures = list(self._failures)
         try:
             rtts = self.mesh.peer_rtts() if self.mesh is not None else {}
+            unreachable = self.mesh.unreachable_peers() if self.mesh is not None else []
             answer = await self.client.heartbeat(Heartbeat(node_id=self.identity.node_id, state=self.state,
-                                                           progress=progress, failures=failures, peer_rtt_ms=rtts))
+                                                           progress=progress, failures=failures, peer_rtt_ms=rtts,
+                                                           unreachable_peers=unreachable))
         except CoordinatorUnavailable as e:
             self.metrics.heartbeat(ok=False)
             if self.reachable:
@@ -269,18 +285,24 @@ class NodeDaemon:
             logger.info("coordinator reachable again")
         self.reachable = True
         self._failures = self._failures[len(failures):]
+        await self.advertiser.renew(answer.certificate)
         self.challenger.on_heartbeat(answer)  # runs in the background; a failure there is only logged
 
     async def _sync_assignments(self) -> None:
         try:
-            assignments = await self.client.assignments()
+            poll = await self.client.poll()
         except CoordinatorUnavailable:
             self.reachable = False
             return
         except Rejected as e:
             logger.error("assignment poll refused: %s", e)
             return
+        assignments = poll.assignments
+        self.audits.on_poll(poll.audits, poll.referee)
         active = {a.job_id: a for a in assignments}
+        for job_id, job in self.runner.running.items():
+            if job_id in active and active[job_id].assignment_id == job.assignment.assignment_id:
+                job.ticket = active[job_id].ticket or job.ticket  # the worker picks it up at its next "bind"
         for job_id, task in list(self._preparing.items()):
             if job_id not in active:
                 logger.info("job %s is no longer ours; dropping the fetch of its inputs", job_id)
@@ -316,7 +338,7 @@ class NodeDaemon:
         if a.spec.custom_code and (why := sandbox.unavailable_reason()) is not None:
             return self._fail(a.job_id, f"this node does not run job owners' code without a sandbox: {why}")
         try:
-            inputs = await self._fetch_inputs(a)
+            inputs = await self._fetch_inputs(a.job_id, a.spec, a.checkpoint)
         except asyncio.CancelledError:
             raise
         except (CacheError, ApiError, OSError) as e:
@@ -338,20 +360,25 @@ class NodeDaemon:
         return {ref.sha256 for a in assignments for ref in a.spec.blob_refs()} | {
             a.checkpoint.sha256 for a in assignments if a.checkpoint is not None}
 
-    async def _fetch_inputs(self, a: Assignment) -> JobInputs:
-        spec = a.spec
-
+    async def _fetch_inputs(self, job_id: str, spec: JobSpec, checkpoint_ref: CheckpointRef | None = None
+                            ) -> JobInputs:
+        """The job's code, dataset and checkpoint (`checkpoint_ref`), fetched into the cache and verified."""
         async def fetch(sha256: str, size: int, what: str) -> Path:
-            return await self.cache.get(sha256, size, lambda dest: self.client.fetch_blob(a.job_id, sha256, dest),
+            return await self.cache.get(sha256, size, lambda dest: self.client.fetch_blob(job_id, sha256, dest),
                                         keep=self._cache_keep(), what=what)
 
         code = dataset = checkpoint = None
-        if a.checkpoint is not None:  # first: the coordinator prunes old checkpoints while datasets download
+        if spec.local_dataset is not None:  # federated: this node's own data, never fetched nor sent anywhere
+            dataset = self.config.datasets.get(spec.local_dataset)
+            if dataset is None or not dataset.exists():
+                raise FileNotFoundError(f"this node holds no dataset named {spec.local_dataset!r}")
+        if checkpoint_ref is not None:  # first: the coordinator prunes old checkpoints while datasets download
             try:
-                checkpoint = await fetch(a.checkpoint.sha256, a.checkpoint.size, f"checkpoint {a.checkpoint.name}")
+                checkpoint = await fetch(checkpoint_ref.sha256, checkpoint_ref.size,
+                                         f"checkpoint {checkpoint_ref.name}")
             except Rejected as e:  # pruned meanwhile: a newer one exists, so live peers hold the state
-                logger.warning("checkpoint %s of %s is gone (%s); starting without it", a.checkpoint.name,
-                               a.job_id, e)
+                logger.warning("checkpoint %s of %s is gone (%s); starting without it", checkpoint_ref.name,
+                               job_id, e)
         if spec.code is not None:
             code = await fetch(spec.code.sha256, spec.code.size, "code")
             if spec.code.format == "tar":
@@ -367,7 +394,8 @@ class NodeDaemon:
         kind = event.get("event")
         if kind == "round":
             self.outbox.add(RoundReport(job_id=job.assignment.job_id, node_id=self.identity.node_id,
-                                        epoch=event["epoch"], solo=event.get("solo", False), claims=event["claims"]))
+                                        epoch=event["epoch"], solo=event.get("solo", False), claims=event["claims"],
+                                        suspects=event.get("suspects", [])))
         elif kind == "finished":
             logger.info("job %s reached its stop rule (%s); uploading the model", job.assignment.job_id,
                         event.get("reason", "done"))
@@ -447,6 +475,7 @@ class NodeDaemon:
                 logger.warning("the coordinator ignored a claim of node %s in %s epoch %d: %s",
                                item.node_id, report.job_id, report.epoch, item.reason)
             self.outbox.ack(report)
+            self._claimed[report.job_id] = max(self._claimed.get(report.job_id, 0), report.epoch)
 
     # ------------------------------------------------------------------------------------------------ shutdown
 
@@ -469,6 +498,7 @@ class NodeDaemon:
         await self._tell_coordinator(NodeState.OFFLINE)
         await meanwhile
         await self.challenger.stop()
+        await self.audits.stop()
         if self.mesh is not None:
             self._stop_mesh.set()
             if self._mesh_task is not None:

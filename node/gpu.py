@@ -26,7 +26,7 @@ def _cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _nvml_gpus() -> list[tuple[str, float]] | None:
+def nvml_gpus() -> list[tuple[str, float]] | None:
     try:
         import pynvml
     except ImportError:
@@ -57,7 +57,7 @@ print(json.dumps(gpus))
 """
 
 
-def _torch_gpus() -> list[tuple[str, float]]:
+def torch_gpus() -> list[tuple[str, float]]:
     """The GPUs torch.cuda sees, asked in a child process: initialising CUDA in the daemon itself would keep a
     CUDA context (GPU memory, visible in nvidia-smi) for the daemon's whole life."""
     try:
@@ -70,7 +70,7 @@ def _torch_gpus() -> list[tuple[str, float]]:
 
 
 def probe(force_cpu: bool = False) -> Resources:
-    devices = [] if force_cpu else (_nvml_gpus() or _torch_gpus())
+    devices = [] if force_cpu else (nvml_gpus() or torch_gpus())
     counts = Counter((name, round(mem, 1)) for name, mem in devices)
     gpus = [GPUInfo(model=name, memory_gb=mem, count=n) for (name, mem), n in sorted(counts.items())]
     resources = Resources(gpus=gpus, cpu_cores=_cpu_cores(), ram_gb=round(_ram_gb(), 1))

@@ -13,6 +13,13 @@ k·δ_k − (k−1)·δ_{k−1} (δ_k = anchor − inner after k inner steps), r
 the sum telescopes to K·δ_K and hivemind's division leaves exactly δ_K, whichever call K ends the epoch. The
 averaged δ (weighted by samples, as hivemind weighs peers) is the outer optimizer's gradient.
 
+Every member of a round takes the same number of inner steps and then waits for the others (DiLoCo as published):
+the members' claims then match, whatever their pace, and the ledger's throughput cap compares like with like. A
+member that stepped on while its peers waited (in the lab, three nodes on two cores differ in pace by up to ten
+times) claimed a multiple of their samples and was flagged as a liar. So that the members agree on the count
+without another message, `group_pace` reads the pace from what every member of a round holds alike: the group's
+signed claims.
+
 `choose_inner_steps` is a pure function: a round's compute should be about three times its averaging, within
 bounds, so that averaging costs about a quarter of the wall time whatever the link and the model. More local steps
 per round would waste less time on the network but learn less per sample (scripts/bench/scaling.py measured it:
@@ -22,6 +29,9 @@ with a 10% share, rounds of 60 s made 2 nodes slower to the target than one).
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 COMM_SHARE = 0.25  # the share of a round's wall time that averaging may take
 MIN_INNER_STEPS = 4
@@ -53,6 +63,25 @@ def choose_inner_steps(step_seconds: float, round_seconds: float, fixed: int | N
     compute = round_seconds * (1 - COMM_SHARE) / COMM_SHARE
     compute = min(max(compute, MIN_ROUND_COMPUTE), MAX_ROUND_COMPUTE)
     return max(MIN_INNER_STEPS, min(MAX_INNER_STEPS, math.ceil(compute / step_seconds)))
+
+
+def group_pace(claims: Iterable[Mapping[str, Any]]) -> tuple[float, float] | None:
+    """(step seconds, averaging seconds) of a round's group, from its members' claim payloads (what every member
+    holds alike, so every member computes the same pace): the median member's seconds per step, and the least time
+    any member spent outside its compute (the slowest member's share of its window: the round's averaging). None
+    without a claim that took a step. One lying member moves the step time no further than an honest member's, and
+    can shorten the averaging it reads to none: rounds then take MIN_ROUND_COMPUTE of compute, no less."""
+    steps, idle = [], []
+    for claim in claims:
+        n, compute = claim.get("steps", 0), claim.get("compute_seconds", 0.0)
+        window = claim.get("window_end", 0.0) - claim.get("window_start", 0.0)
+        if isinstance(n, int) and n > 0 and all(isinstance(v, int | float) and math.isfinite(v)
+                                                for v in (compute, window)) and compute > 0:
+            steps.append(compute / n)
+            idle.append(max(0.0, window - compute))
+    if not steps:
+        return None
+    return statistics.median(steps), min(idle)
 
 
 class LocalUpdates:

@@ -17,6 +17,15 @@ every 5 min, fail over after 3 lost echoes or 180 s without a handshake) and why
 Each peer's path state, chosen endpoint and RTT go into mesh.json; `peer_rtts()` gives the RTTs by node id, and
 `device_peers()` the device's latest per-peer handshake and byte counters (for metrics).
 
+Relays: a peer the path keeper has found no path to for `UNREACHABLE_AFTER` seconds is reported in the heartbeat
+(`unreachable_peers()`); the coordinator may answer with a relay (`MeshPeer.via`), and `gpuswarm.mesh.relays`
+gives the AllowedIPs that route the peer through it. A relayed peer stays on the device without AllowedIPs, its
+path on trial: echoes to it now travel through the relay (they measure the relayed RTT, shown in mesh.json, and
+prove nothing about a direct path), so only a handshake settles it, and each new candidate endpoint gets a
+keepalive "kick" (persistent keepalive off and on, which makes WireGuard send one) to start that handshake. Once a
+direct handshake completes the peer is reachable again and the coordinator drops the relay. A node the coordinator
+picks as a relay (`MeshConfig.forward`) forwards between its peers (`MeshBackend.set_forwarding`).
+
 Supervision: the path keeper also checks every tick that the interface's process lives; when wireguard-go has
 exited it brings the interface back (`MeshBackend.revive`) and applies every peer again on the endpoint its path
 had, and mesh.json counts the restarts.
@@ -50,12 +59,16 @@ from gpuswarm.mesh.paths import (
 )
 from gpuswarm.mesh.probe import icmp_rtts
 from gpuswarm.mesh.reconciler import ChangeKind, MeshAgent, PeerChange
+from gpuswarm.mesh.relays import allowed_ips
 from gpuswarm.mesh.uapi import PeerStatus, normalize_endpoint
 from gpuswarm.proto.models import MeshConfig, MeshPeer, MeshRegistration
 
 logger = logging.getLogger(__name__)
 SIOCGIFADDR = 0x8915
 KEEPALIVE = 25  # seconds; keeps NAT mappings open and handshakes fresh (mesh.paths relies on it for staleness)
+# A peer with no working path this long is reported unreachable (relay wanted): two candidate trials, so a peer
+# that just joined or a path being failed over is not relayed for nothing.
+UNREACHABLE_AFTER = 15.0
 STATUS_EVERY = 5.0  # seconds between mesh.json rewrites for fresh RTTs alone (a path change writes at once)
 Prober = Callable[[list[str], float], dict[str, float | None]]  # (mesh addresses, wait) -> seconds or None
 
@@ -113,6 +126,11 @@ class MeshLink:
         self._probing = True  # off when raw sockets are refused: paths are then judged by handshakes alone
         self._peers: dict[str, MeshPeer] = {}  # by WireGuard public key
         self._paths: dict[str, PathState] = {}
+        self._routes: dict[str, frozenset[str]] = {}  # AllowedIPs by public key (`mesh.relays.allowed_ips`)
+        self._via: dict[str, str] = {}  # relayed peers: public key -> the relay's node id
+        self._relay_rtts: dict[str, float] = {}  # relayed peers: the RTT in ms through the relay
+        self._unsettled_since: dict[str, float] = {}  # peers with no working path: since when
+        self._forwarding = False
         self._device_peers: dict[str, PeerStatus] = {}  # the path keeper's latest device read, by public key
         self._lock = asyncio.Lock()  # apply() and the path keeper both change peers' endpoints
         self._paths_task: asyncio.Task | None = None
@@ -129,9 +147,18 @@ class MeshLink:
         return MeshRegistration(public_key=self.keys.public_key, listen_port=self.listen_port, endpoints=endpoints)
 
     def peer_rtts(self) -> dict[str, float]:
-        """{peer node id: RTT in ms over its settled path}, for the peers with a measured RTT."""
-        return {self._peers[key].node_id: round(state.rtt_ms, 3) for key, state in self._paths.items()
-                if state.rtt_ms is not None and key in self._peers}
+        """{peer node id: RTT in ms over its settled path, or through its relay}, for the peers with a measured
+        RTT (the coordinator's relay plan never takes a relayed RTT for a direct path: that pair is also reported
+        unreachable)."""
+        found = {key: state.rtt_ms for key, state in self._paths.items() if state.rtt_ms is not None}
+        found.update({key: rtt for key, rtt in self._relay_rtts.items() if key in self._via})
+        return {self._peers[key].node_id: round(rtt, 3) for key, rtt in found.items() if key in self._peers}
+
+    def unreachable_peers(self, now: float | None = None) -> list[str]:
+        """The node ids of peers with no working path for `UNREACHABLE_AFTER` seconds or more."""
+        now = time.time() if now is None else now
+        return sorted(self._peers[key].node_id for key, since in self._unsettled_since.items()
+                      if now - since >= UNREACHABLE_AFTER and key in self._peers)
 
     def device_peers(self) -> dict[str, PeerStatus]:
         """{peer node id: the device's view of it (latest handshake, rx/tx bytes)} as of the path keeper's latest
@@ -162,6 +189,10 @@ class MeshLink:
         # A new peer starts on its first candidate. For a known peer the path keeper owns the endpoint: None
         # ("no opinion") leaves the device's alone, unless the peer's new candidates no longer hold the one in use.
         now = time.time()
+        self._routes = allowed_ips(config)
+        by_id = {p.node_id: p for p in config.peers}
+        self._via = {p.public_key: p.via for p in config.peers if p.via and not self._routes[p.public_key]
+                     and p.via in by_id}
         desired, paths = [], {}
         for p in config.peers:
             old = self._paths.get(p.public_key)
@@ -170,6 +201,11 @@ class MeshLink:
             paths[p.public_key] = new
             desired.append(self._peer_config(p, new.endpoint if old is None or new.endpoint != old.endpoint
                                              else None))
+        if config.forward != self._forwarding:
+            await asyncio.to_thread(self._backend.set_forwarding, config.forward, config.cidr)
+            self._forwarding = config.forward
+            logger.info("mesh: %s forwarding between peers", "relaying: started" if config.forward else
+                        "no longer relaying: stopped")
         changes = await asyncio.to_thread(self.agent.reconcile, desired)
         if changes:
             summary = ", ".join(f"{c.kind.value} {c.public_key[:8]}" for c in changes)
@@ -177,12 +213,20 @@ class MeshLink:
         self.config = config
         self._peers = {p.public_key: p for p in config.peers}
         self._paths = paths
+        self._unsettled_since = {k: v for k, v in self._unsettled_since.items() if k in paths}
+        self._relay_rtts = {k: v for k, v in self._relay_rtts.items() if k in self._via}
         self._write_status_file(force=True)
 
-    @staticmethod
-    def _peer_config(peer: MeshPeer, endpoint: str | None) -> PeerConfig:
-        return PeerConfig(public_key=peer.public_key, allowed_ips=frozenset({f"{peer.address}/32"}),
-                          endpoint=endpoint, persistent_keepalive=KEEPALIVE)
+    def _peer_config(self, peer: MeshPeer, endpoint: str | None, keepalive: int = KEEPALIVE) -> PeerConfig:
+        return PeerConfig(public_key=peer.public_key, allowed_ips=self._routes.get(peer.public_key, frozenset()),
+                          endpoint=endpoint, persistent_keepalive=keepalive)
+
+    def _kick(self, peer: MeshPeer) -> None:
+        """Make WireGuard start a handshake with a relayed peer on its current endpoint: no traffic goes to it
+        directly, so nothing else would. Switching persistent keepalive on sends one keepalive at once."""
+        for keepalive in (0, KEEPALIVE):
+            self.agent.apply(PeerChange(ChangeKind.UPDATE, peer.public_key, self._peer_config(peer, None, keepalive),
+                                        frozenset({"persistent_keepalive"})))
 
     async def _keep_paths(self) -> None:
         """The path keeper: one `_check_paths` every `tick_s` until cancelled; a failed round never ends it."""
@@ -211,6 +255,8 @@ class MeshLink:
             desired = [self._peer_config(self._peers[key], state.endpoint) for key, state in self._paths.items()
                        if key in self._peers]
             await asyncio.to_thread(self.agent.reconcile, desired)
+            if self._forwarding:
+                await asyncio.to_thread(self._backend.set_forwarding, True, self.config.cidr)
             self.restarts += 1
             logger.warning("mesh interface %s restarted (%d so far); %d peer(s) applied again",
                            self._backend.interface, self.restarts, len(desired))
@@ -246,8 +292,13 @@ class MeshLink:
                 peer, info = device.get(key), self._peers.get(key)
                 if peer is None or info is None:
                     continue  # not on the device (yet): the next reconcile adds it
-                # An echo counts only if it went out over the endpoint this state has (apply() may have moved it).
+                # An echo counts only if it went out over the endpoint this state has (apply() may have moved it),
+                # and never for a relayed peer: it went through the relay.
                 was_probed = probed and due.get(key) is state
+                relayed = key in self._via
+                if relayed and was_probed and key in rtts:
+                    self._relay_rtts[key] = rtts[key]
+                was_probed = was_probed and not relayed
                 facts = PathFacts(now=now, device_endpoint=peer.endpoint, latest_handshake=peer.latest_handshake,
                                   probed=was_probed, rtt_ms=rtts.get(key) if was_probed else None)
                 new = next_path(state, facts, self.timings)
@@ -259,8 +310,17 @@ class MeshLink:
                     except Exception as e:  # keep the old state: the next round decides again
                         logger.warning("mesh: cannot set %s's endpoint to %s: %s", info.node_id, new.endpoint, e)
                         continue
+                if relayed and new.phase is PathPhase.TRYING and new.since != state.since:
+                    try:  # a new trial of a direct path
+                        await asyncio.to_thread(self._kick, info)
+                    except Exception as e:
+                        logger.debug("mesh: cannot start a handshake with %s: %s", info.node_id, e)
                 self._log_path(info, state, new)
                 self._paths[key] = new
+                if new.phase is PathPhase.TRYING:
+                    self._unsettled_since.setdefault(key, now)
+                else:
+                    self._unsettled_since.pop(key, None)
             self._write_status_file()
 
     @staticmethod
@@ -284,13 +344,17 @@ class MeshLink:
             except Exception as e:
                 logger.warning("mesh update failed (%s); retrying", e)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=2.0)
+                    async with asyncio.timeout(2.0):
+                        await stop.wait()
 
     def _path_status(self, key: str) -> dict | None:
         state = self._paths.get(key)
         if state is None:
             return None
+        via = self._via.get(key)
         return {"state": state.phase.value, "endpoint": state.endpoint, "candidates": list(state.candidates),
+                "via": via, "relay_rtt_ms": round(self._relay_rtts[key], 3) if via and key in self._relay_rtts
+                else None,
                 "candidate": state.candidates.index(state.endpoint) + 1 if state.endpoint in state.candidates
                 else None,
                 "rtt_ms": None if state.rtt_ms is None else round(state.rtt_ms, 3),
@@ -299,13 +363,14 @@ class MeshLink:
 
     def _write_status_file(self, force: bool = False) -> None:
         """mesh.json: at once when a peer or a path changed, otherwise every STATUS_EVERY s for fresh RTTs."""
-        signature = tuple((k, s.phase, s.endpoint) for k, s in sorted(self._paths.items()))
+        signature = (tuple((k, s.phase, s.endpoint) for k, s in sorted(self._paths.items())),
+                     tuple(sorted(self._via.items())), self._forwarding)
         if not force and signature == self._status_signature and \
                 time.monotonic() - self._status_written < STATUS_EVERY:
             return
         status = {"interface": self._backend.interface, "backend": self._backend.kind, "address": self.address,
                   "cidr": self.config.cidr, "listen_port": self.listen_port, "version": self.config.version,
-                  "restarts": self.restarts,
+                  "restarts": self.restarts, "forwarding": self._forwarding,
                   "updated_at": round(time.time(), 3),
                   "peers": {p.public_key: {"node_id": p.node_id, "address": p.address, "endpoints": p.endpoints,
                                            "path": self._path_status(p.public_key)}
@@ -321,11 +386,15 @@ class MeshLink:
         if self._paths_task is not None:
             self._paths_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(self._paths_task, timeout=5.0)
+                async with asyncio.timeout(5.0):
+                    await self._paths_task
             self._paths_task = None
 
     async def close(self) -> None:
         await self.stop_keeping()
+        if self._forwarding:
+            with contextlib.suppress(Exception):  # the rule is harmless once its interface is gone
+                await asyncio.to_thread(self._backend.set_forwarding, False, self.config.cidr)
         if self._backend is not None and self.agent is not None:
             await asyncio.to_thread(self._backend.down)
             logger.info("mesh interface %s down", self._backend.interface)

@@ -15,6 +15,7 @@ reason the worker gave ("error" event) or its log's tail. The child asks for SIG
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
@@ -23,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +32,12 @@ from pathlib import Path
 from gpuswarm.node import sandbox
 from gpuswarm.node.trainer_link import Settings
 from gpuswarm.node.worker import EVENT_PREFIX, PARENT_PID_ENV
-from gpuswarm.proto.models import Assignment, ContributionClaim, Progress
+from gpuswarm.proto.dht import binding_for
+from gpuswarm.proto.models import PROGRESS_MARGIN, Assignment, ContributionClaim, JobSpec, Progress
 from gpuswarm.proto.signing import SignedEnvelope
 
 logger = logging.getLogger(__name__)
+REPLAY_TIMEOUT = 240.0  # seconds a referee's replay of one round may take (the coordinator waits 300)
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,23 @@ class RunningJob:
     workdir: Path
     gpus: tuple[int, ...] = ()
     started: float = field(default_factory=time.time)
-    progress: Progress | None = None
+    progress: Progress | None = None  # the latest
+    history: deque[Progress] = field(default_factory=lambda: deque(maxlen=1024))  # the latest, newest last
     finished: dict | None = None  # the worker's "finished" event: the final model is saved
     error: str | None = None  # the worker's "error" event: why the workload failed
     reader: asyncio.Task | None = None
+    ticket: SignedEnvelope | None = None  # the newest run ticket the coordinator gave for this assignment
+
+
+def reportable(history: deque[Progress], claimed: int | None) -> Progress | None:
+    """The newest progress a heartbeat may carry, given the highest epoch of the job's round reports the coordinator
+    took. It takes a job's step only up to PROGRESS_MARGIN past its claims, and a heartbeat goes out before the
+    claims of the same moment: a node that steps faster than it heartbeats would have every report dropped if it
+    sent its latest. Before its first claim is taken the job's step is where this node began (0, or the step it
+    resumed at). None: nothing within reach yet."""
+    base = claimed if claimed is not None else (history[0].global_step if history else 0)
+    limit = base + PROGRESS_MARGIN
+    return next((p for p in reversed(history) if p.global_step <= limit), None)
 
 
 EventHandler = Callable[[RunningJob, dict], None]
@@ -64,8 +81,12 @@ Signer = Callable[[dict], SignedEnvelope]
 
 class JobRunner:
     def __init__(self, jobs_dir: Path, host: str, on_event: EventHandler, signer: Signer,
-                 gpu_count: int = 0, settings: Settings = Settings(), max_hours: float | None = None):
+                 gpu_count: int = 0, settings: Settings = Settings(), max_hours: float | None = None,
+                 binder: Signer | None = None):
         self.jobs_dir, self.host, self.on_event, self.signer = jobs_dir, host, on_event, signer
+        # Signs a training process's DHT session-key binding (kind proto.dht.KEY_KIND); `authority` is the
+        # coordinator's key, which the training process's DHT validators check every record against.
+        self.binder, self.authority = binder, None
         # How jobs' code runs. The node's whole state dir (keys, database, cache, other jobs) is hidden from it.
         self.settings = dataclasses.replace(settings, hide=settings.hide + (jobs_dir.parent,))
         self.max_hours = max_hours
@@ -95,7 +116,10 @@ class JobRunner:
         workdir.mkdir(parents=True, exist_ok=True)
         spec_path = workdir / "assignment.json"
         spec_path.write_text(assignment.model_dump_json(indent=2))
-        args = [str(spec_path), "--host", self.host, "--workdir", str(workdir), *self._sandbox_args(assignment)]
+        args = [str(spec_path), "--host", self.host, "--workdir", str(workdir),
+                *self._sandbox_args(assignment.spec)]
+        if self.authority:
+            args += ["--authority", self.authority]
         for flag, path in (("--code", inputs.code), ("--dataset", inputs.dataset), ("--checkpoint", inputs.checkpoint)):
             if path is not None:
                 args += [flag, str(path)]
@@ -115,19 +139,19 @@ class JobRunner:
             )
         finally:
             log.close()
-        job = RunningJob(assignment, process, workdir, gpus)
+        job = RunningJob(assignment, process, workdir, gpus, ticket=assignment.ticket)
         job.reader = asyncio.create_task(self._read_events(job), name=f"events-{assignment.job_id}")
         self.running[assignment.job_id] = job
         logger.info("started training %s (shard %d/%d, pid %d)", assignment.job_id, assignment.shard_index,
                     assignment.num_shards, process.pid)
         return job
 
-    def _sandbox_args(self, assignment: Assignment) -> list[str]:
+    def _sandbox_args(self, spec: JobSpec) -> list[str]:
         """The worker's sandbox flags. A job with its owner's code is sandboxed or not run (OSError: the daemon
         refuses such jobs before this when the node cannot sandbox); a built-in runs unsandboxed only on a node
         without bubblewrap."""
         why = sandbox.unavailable_reason() if self.settings.sandboxed else "sandboxing is off on this node"
-        if why is not None and assignment.spec.code is not None:
+        if why is not None and spec.code is not None:
             raise OSError(f"this node does not run job owners' code without a sandbox: {why}")
         args = ["--sandbox" if why is None else "--no-sandbox",
                 "--limits", json.dumps(dataclasses.asdict(self.settings.limits)),
@@ -137,6 +161,47 @@ class JobRunner:
         if self.max_hours:
             args += ["--max-hours", str(self.max_hours)]
         return args
+
+    async def replay(self, spec: JobSpec, workdir: Path, evidence: Path, inputs: JobInputs,
+                     timeout: float = REPLAY_TIMEOUT) -> dict:
+        """Re-compute another node's round from its `evidence` with the job's workload, in a worker started as a
+        training process is (`worker --replay`: sandboxed, on this node's free GPUs), and return its verdict
+        event. OSError when the worker gave none within `timeout` seconds."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        spec_path = workdir / "assignment.json"
+        spec_path.write_text(json.dumps({"spec": spec.model_dump(mode="json")}))
+        args = [str(spec_path), "--workdir", str(workdir), "--replay", str(evidence), *self._sandbox_args(spec)]
+        for flag, path in (("--code", inputs.code), ("--dataset", inputs.dataset)):
+            if path is not None:
+                args += [flag, str(path)]
+        gpus = self.free_gpus()[:spec.gpus_per_node if self.gpu_count else 0]
+        with open(workdir / "worker.log", "ab") as log:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gpuswarm.node.worker", *args, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,
+                env=os.environ | {PARENT_PID_ENV: str(os.getpid()),
+                                  "CUDA_VISIBLE_DEVICES": ",".join(self.visible[g] if self.visible else str(g)
+                                                                   for g in gpus)})
+        async def verdict() -> dict | None:
+            async for raw in process.stdout:
+                line = raw.decode(errors="replace")
+                if line.startswith(EVENT_PREFIX):
+                    with contextlib.suppress(ValueError):
+                        event = json.loads(line[len(EVENT_PREFIX):])
+                        if isinstance(event, dict) and event.get("event") == "verdict":
+                            return event  # no need to wait for the worker's orderly exit
+            return None
+
+        try:
+            result = await asyncio.wait_for(verdict(), timeout)
+        except TimeoutError:
+            result = None
+        finally:
+            kill_group(process.pid)  # the verdict is out (or late): nothing of the replay is needed any more
+            await process.wait()
+        if result is None:
+            raise OSError(f"the replay gave no verdict (exit code {process.returncode}; see {workdir / 'worker.log'})")
+        return result
 
     def _sign(self, job: RunningJob, event: dict) -> None:
         """Answer the worker's "sign" request: this node's claim for this job, signed; anything else refused."""
@@ -148,6 +213,24 @@ class JobRunner:
                       .model_dump(mode="json")}
         except Exception as e:  # noqa: BLE001 - the worker gets the reason; its round carries no claim
             answer = {"id": event.get("id"), "error": str(e)[:300]}
+        self._answer(job, answer)
+
+    def _bind(self, job: RunningJob, event: dict) -> None:
+        """Answer the worker's "bind" request: the newest run ticket for its job, and this node's binding of the
+        worker's DHT session key to it, for the subkeys it names (at most the binding's limit)."""
+        try:
+            if job.ticket is None or self.binder is None:
+                raise ValueError("the coordinator gave no DHT ticket for this job")
+            subkeys = [base64.b64decode(s, validate=True) for s in event.get("subkeys") or []]
+            payload = binding_for(job.ticket, str(event.get("session_key")), subkeys)
+            answer = {"id": event.get("id"), "cert": job.ticket.model_dump(mode="json"),
+                      "binding": self.binder(payload).model_dump(mode="json")}
+        except Exception as e:  # noqa: BLE001 - the worker gets the reason
+            answer = {"id": event.get("id"), "error": str(e)[:300]}
+        self._answer(job, answer)
+
+    @staticmethod
+    def _answer(job: RunningJob, answer: dict) -> None:
         if job.process.stdin is not None and not job.process.stdin.is_closing():
             job.process.stdin.write(json.dumps(answer).encode() + b"\n")
 
@@ -164,8 +247,12 @@ class JobRunner:
                 if event.get("event") == "sign":
                     self._sign(job, event)
                     continue
+                if event.get("event") == "bind":
+                    self._bind(job, event)
+                    continue
                 if event.get("event") == "progress":
                     job.progress = Progress.model_validate(event)
+                    job.history.append(job.progress)
                 elif event.get("event") == "finished":
                     job.finished = event
                 elif event.get("event") == "error":

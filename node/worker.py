@@ -21,7 +21,16 @@ event, which only the daemon's metrics count.
 
 Test-only fault injection: GPUSWARM_FAULT_INFLATE_CLAIMS=<factor> multiplies the samples and compute seconds in this
 node's OWN claims (those it shares and those it reports), to play a lying node in end-to-end tests of the ledger.
-Never set it in production; the worker logs a warning when it is set.
+Never set it in production; the worker logs a warning when it is set. GPUSWARM_FAULT_BYZANTINE=<factor>|nan plays a
+Byzantine peer the same way: the gradients this node shares are multiplied by the factor (e.g. -100: sign-flipped
+and huge) or set to NaN after the worker's own finite check. GPUSWARM_FAULT_LAZY=1 claims every batch without
+computing it (zero gradients): the evidence it keeps then fails a referee's replay (gpuswarm.node.evidence).
+
+With `--replay EVIDENCE` the worker trains nothing: it re-computes another node's round for a referee (`referee`).
+
+Every averaging round reduces robustly (`dht.hivemind_adapter.install_robust_reducer`, before the averagers start):
+NaN and Inf parts are dropped and each peer's pull is clipped, so one Byzantine peer cannot steer the model; the
+peers it clipped are logged, and written to `outliers.jsonl` in the workdir.
 
 Run as: python -m gpuswarm.node.worker ASSIGNMENT_JSON --host ADDRESS --workdir DIR [--code DIR_OR_WHEEL]
         [--dataset PATH] [--checkpoint FILE] [--sandbox | --no-sandbox] [--limits JSON] [--answer-timeout S]
@@ -31,6 +40,7 @@ Run as: python -m gpuswarm.node.worker ASSIGNMENT_JSON --host ADDRESS --workdir 
 from __future__ import annotations
 
 import argparse
+import base64
 import itertools
 import json
 import logging
@@ -45,6 +55,7 @@ from pathlib import Path
 
 from gpuswarm.node.trainer_link import Inputs, Settings, TrainerFailed, TrainerLink
 from gpuswarm.proto import logs
+from gpuswarm.proto.dht import MEMBERS_SUFFIX
 
 EVENT_PREFIX = "@gpuswarm "
 PARENT_PID_ENV = "GPUSWARM_PARENT_PID"
@@ -52,9 +63,12 @@ PR_SET_PDEATHSIG = 1
 RENDEZVOUS_TIMEOUT = 60.0
 MEMBER_TTL = 20.0  # a member's record in the run's membership key lives this long unless refreshed
 MEMBER_REFRESH = 5.0
+ROUND_WAIT = 60.0  # seconds a member that took its round's share of steps waits at most for the others
 SIGN_TIMEOUT = 10.0  # seconds the daemon has to answer a "sign" request
 WORKLOAD_FAILED = 3  # exit code: the job's workload failed (its reason went out as an "error" event)
 FAULT_INFLATE_ENV = "GPUSWARM_FAULT_INFLATE_CLAIMS"
+FAULT_BYZANTINE_ENV = "GPUSWARM_FAULT_BYZANTINE"
+FAULT_LAZY_ENV = "GPUSWARM_FAULT_LAZY"
 logger = logging.getLogger("gpuswarm.worker")
 _emit_lock = threading.Lock()
 
@@ -64,6 +78,53 @@ def emit(event: str, **fields) -> None:
     with _emit_lock:
         sys.stdout.write(line)
         sys.stdout.flush()
+
+
+class OutlierLog:
+    """The peers this node's reducers clipped (`outliers.jsonl`, appended by the averager processes), read a
+    whole line at a time from where the previous read stopped."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def new_peers(self, limit: int = 16) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        complete = data[:data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        peers = set()
+        for line in complete.splitlines():
+            try:
+                peers.add(str(json.loads(line)["peer_id"])[:128])
+            except (ValueError, KeyError, TypeError):
+                continue
+        return sorted(peers)[:limit]
+
+
+def byzantine_fault() -> float | None:
+    """The test-only Byzantine gradient factor (GPUSWARM_FAULT_BYZANTINE; "nan" is NaN); None when unset."""
+    raw = os.environ.get(FAULT_BYZANTINE_ENV, "").strip().lower()
+    if not raw:
+        return None
+    try:
+        factor = float(raw)
+    except ValueError:
+        raise SystemExit(f"{FAULT_BYZANTINE_ENV} must be a number or nan, not {raw!r}") from None
+    logger.warning("FAULT INJECTION (tests only): this node shares its gradients times %s", raw)
+    return factor
+
+
+def lazy_fault() -> bool:
+    """Test-only fault injection (GPUSWARM_FAULT_LAZY=1): this node claims its batches without computing them
+    (zero gradients), to play the lazy half of a colluding pair in end-to-end tests of refereed re-execution."""
+    lazy = os.environ.get(FAULT_LAZY_ENV, "").strip() == "1"
+    if lazy:
+        logger.warning("FAULT INJECTION (tests only): this node claims batches it never computes")
+    return lazy
 
 
 def claim_inflation() -> float:
@@ -113,24 +174,58 @@ class DaemonSigner:
             slot[1] = answer
             slot[0].set()
 
-    def __call__(self, payload: dict):
-        from gpuswarm.proto.signing import SignedEnvelope
-
+    def request(self, event: str, **fields) -> dict:
+        """Ask the daemon (a "sign" or "bind" event) and wait for its answer; raise when it refuses or is silent."""
         request_id = next(self._ids)
         slot = [threading.Event(), None]
         with self._lock:
             self._waiting[request_id] = slot
         try:
-            emit("sign", id=request_id, payload=payload)
+            emit(event, id=request_id, **fields)
             if not slot[0].wait(SIGN_TIMEOUT):
-                raise TimeoutError(f"the daemon did not sign claim {request_id} within {SIGN_TIMEOUT:.0f}s")
+                raise TimeoutError(f"the daemon did not answer {event} request {request_id} within {SIGN_TIMEOUT:.0f}s")
             answer = slot[1]
             if "error" in answer:
-                raise ValueError(f"the daemon refused to sign: {answer['error']}")
-            return SignedEnvelope.model_validate(answer["envelope"])
+                raise ValueError(f"the daemon refused to {event}: {answer['error']}")
+            return answer
         finally:
             with self._lock:
                 self._waiting.pop(request_id, None)
+
+    def __call__(self, payload: dict):
+        from gpuswarm.proto.signing import SignedEnvelope
+
+        return SignedEnvelope.model_validate(self.request("sign", payload=payload)["envelope"])
+
+
+class RecordProofs:
+    """This training process's proof for the run's DHT records (`gpuswarm.proto.dht`): a session key of its own,
+    bound by the daemon (which holds the node's key and the coordinator's newest run ticket) to the subkeys this
+    process writes under: the node id (members), the DHT's peer id (averagers) and hivemind's RSA key (progress).
+    `refresh` asks the daemon again and hands a renewed proof to the DHT's process when one is due; without a
+    proof, no peer accepts this process's records."""
+
+    def __init__(self, dht, daemon: DaemonSigner, authority: str, node_id: str):
+        from gpuswarm.dht import hivemind_adapter
+        from gpuswarm.dht.validators import new_session_key
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        self.dht, self.daemon, self.authority = dht, daemon, authority
+        self.session = new_session_key()
+        self.subkeys = [hivemind_adapter.pack(s) for s in (node_id, dht.peer_id.to_bytes(),
+                                                           RSASignatureValidator().local_public_key)]
+        self.proof = None
+
+    def refresh(self) -> None:
+        from gpuswarm.dht.validators import SwarmRecordValidator, WriterProof, renewal_due
+        from gpuswarm.proto.signing import SignedEnvelope
+
+        answer = self.daemon.request("bind", session_key=self.session[1],
+                                     subkeys=[base64.b64encode(s).decode() for s in self.subkeys])
+        cert = SignedEnvelope.model_validate(answer["cert"])
+        if renewal_due(self.proof, cert):
+            self.proof = WriterProof(cert, SignedEnvelope.model_validate(answer["binding"]), self.session[0])
+            self.dht.add_validators([SwarmRecordValidator(self.authority, self.proof)])
 
 
 class Membership:
@@ -141,24 +236,40 @@ class Membership:
     and go. After the rendezvous a helper thread does the DHT calls and keeps the place current, so the training
     thread never waits on the DHT for it (a slow lookup would hold this member back in every round)."""
 
-    def __init__(self, dht, run_id: str, node_id: str):
-        self.dht, self.key, self.node_id = dht, f"{run_id}.members", node_id
-        self._place = (0, 1)
+    def __init__(self, dht, run_id: str, node_id: str, proofs: RecordProofs | None = None, share: int | None = None):
+        self.dht, self.key, self.node_id, self.proofs = dht, run_id + MEMBERS_SUFFIX, node_id, proofs
+        # Mode "fedavg": the samples of this member's round (its own data's passes), published with its record so
+        # that every member sets the round's total alike although the members' data differ in size.
+        self.share = share
+        self._place, self._shares = (0, 1), {}
 
     def refresh(self) -> None:
         from hivemind.utils import get_dht_time
 
-        self.dht.store(self.key, subkey=self.node_id, value=time.time(), expiration_time=get_dht_time() + MEMBER_TTL)
+        value = time.time() if self.share is None else [time.time(), self.share]
+        self.dht.store(self.key, subkey=self.node_id, value=value, expiration_time=get_dht_time() + MEMBER_TTL)
 
-    def members(self) -> list[str]:
+    def members(self) -> dict[str, int | None]:
+        """The live members' ids, with the share each published (None: none)."""
         found = self.dht.get(self.key, latest=True)
-        ids = set(found.value) if found is not None and isinstance(found.value, dict) else set()
-        return sorted({str(i) for i in ids} | {self.node_id})
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        members: dict[str, int | None] = {}
+        for subkey, entry in entries.items():
+            value = getattr(entry, "value", None)
+            share = value[1] if isinstance(value, list | tuple) and len(value) == 2 else None
+            members[str(subkey)] = share if isinstance(share, int) and 0 < share <= 2**40 else None
+        members[self.node_id] = self.share
+        return dict(sorted(members.items()))
 
     def look(self) -> tuple[int, int]:
         members = self.members()
-        self._place = (members.index(self.node_id), len(members))
+        self._place, self._shares = (list(members).index(self.node_id), len(members)), members
         return self._place
+
+    def round_samples(self, share: int) -> int:
+        """The samples of a round across the live members, as last seen: the shares they published (`share`, this
+        member's, for any that published none)."""
+        return sum(s or share for s in self._shares.values()) if self._shares else share
 
     def place(self) -> tuple[int, int]:
         """(index, count): this member's place among the live members, as last seen."""
@@ -187,6 +298,8 @@ class Membership:
         def loop() -> None:
             while not stop.wait(MEMBER_REFRESH):
                 try:
+                    if self.proofs is not None:
+                        self.proofs.refresh()
                     self.refresh()
                     self.look()
                 except Exception as e:  # noqa: BLE001 - a DHT hiccup; the next round tries again
@@ -211,6 +324,18 @@ def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
         time.sleep(0.2)
     logger.warning("the progress tracker saw %d of %d peers; training anyway",
                    optimizer.tracker.global_progress.num_peers, min_nodes)
+
+
+def wait_for_round(optimizer, stop: threading.Event, limit: float = ROUND_WAIT) -> None:
+    """Local updates: this member has taken its share of the round's steps. Hold it until the round is due (the
+    tracker's sample target reached, or its deadline for stragglers passed), a round elsewhere moved the swarm's
+    epoch on, or `limit` seconds passed: a member that stepped on would claim a multiple of its waiting peers'
+    samples, and the ledger's throughput cap could not tell it from a liar."""
+    tracker, deadline = optimizer.tracker, time.monotonic() + limit
+    while not stop.is_set() and time.monotonic() < deadline:
+        if tracker.ready_to_update_epoch or tracker.global_epoch > optimizer.local_epoch:
+            return
+        time.sleep(0.05)
 
 
 def stop_reason(rule, metrics: dict[str, float], step: int, epochs: float | None, elapsed: float) -> str | None:
@@ -285,6 +410,7 @@ class SharedParams:
         import torch
 
         self.link, self.version = link, 0
+        self.byzantine = byzantine_fault()
         self.shapes = [tuple(p.shape) for p in link.hello.params]
         self.sizes = [math.prod(shape) for shape in self.shapes]
         initial = link.params.tensor.clone()
@@ -310,6 +436,8 @@ class SharedParams:
         if not torch.isfinite(self.grad_flat).all():
             raise TrainerFailed("the workload put non-finite values (NaN or inf) in the shared gradient buffer; "
                                 "nothing of this batch was shared")
+        if self.byzantine is not None:  # test-only fault injection: a Byzantine peer
+            self.grad_flat.mul_(self.byzantine)
 
     def publish(self, params=None) -> None:
         """Hand the trainer `params` (by default the swarm's, i.e. hivemind's) for its next batch."""
@@ -322,24 +450,21 @@ class SharedParams:
 
 
 def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, settings: Settings,
-        inputs: Inputs = Inputs(), max_seconds: float | None = None) -> int:
+        inputs: Inputs = Inputs(), max_seconds: float | None = None, authority: str = "") -> int:
     import hivemind
-    import torch
-    from gpuswarm.dht.hivemind_adapter import averager_compression, averager_options
+    from gpuswarm.dht.hivemind_adapter import averager_compression, averager_options, install_robust_reducer
     from gpuswarm.dht.swarm import SwarmDHT
-    from gpuswarm.dht.validators import NodeAdvertValidator
+    from gpuswarm.dht.validators import validators
     from gpuswarm.node.attest import ClaimAttestor, RoundResult
-    from gpuswarm.node.local_updates import LocalUpdates, choose_inner_steps, first_round_estimate
+    from gpuswarm.node.evidence import RoundEvidence
+    from gpuswarm.node.local_updates import LocalUpdates, choose_inner_steps, first_round_estimate, group_pace
     from gpuswarm.node.workloads.saved import load_checkpoint
     from gpuswarm.proto.models import Assignment
-    from gpuswarm.proto.trainer import OptimizerSpec
+    from gpuswarm.proto.trainer import OptimizerSpec, Position, StepDone
 
-    threads = int(os.environ.get("GPUSWARM_TORCH_THREADS", "1"))
-    torch.set_num_threads(threads)
     a = Assignment.model_validate(assignment)
-    inflate = claim_inflation()
+    inflate, lazy = claim_inflation(), lazy_fault()
     spec = a.spec
-    gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     link = TrainerLink(workdir, settings)
     dht = optimizer = attestor = None
     done = threading.Event()  # ends this run's helper threads
@@ -348,17 +473,19 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         # workload or a stop rule it cannot meet fails here, in seconds, with the reason. The trainer runs at a
         # lower priority, so a CPU-bound training loop cannot starve this process's all-reduce rounds on a shared
         # CPU (a 2-core host running several nodes would otherwise miss every matchmaking deadline).
-        hello = link.start(spec.model_dump(mode="json"), inputs, gpus, threads,
-                           int(os.environ.get("GPUSWARM_TRAIN_NICE", "10")))
+        hello = start_trainer(link, spec, inputs)
         check_stop_rule(spec.stop, hello.metrics, hello.train_size)
         shared = SharedParams(link)
         options = spec.training
-        if options.mode == "diloco":
+        if options.mode in ("diloco", "fedavg"):
             # The workload's optimizer steps this node's inner copy on every batch; hivemind's steps the swarm's
-            # parameters with the outer SGD on the averaged pseudo-gradient once a round.
+            # parameters with the outer SGD on the averaged pseudo-gradient once a round. FedAvg is the outer step
+            # at rate 1 without momentum: the swarm takes its members' parameters, averaged by samples.
             local = LocalUpdates(shared.params, shared.grads, hello.optimizer)
-            outer = OptimizerSpec(name="sgd", lr=options.outer_learning_rate, momentum=options.outer_momentum,
-                                  nesterov=options.outer_momentum > 0)
+            fedavg = options.mode == "fedavg"
+            outer = OptimizerSpec(name="sgd", lr=1.0 if fedavg else options.outer_learning_rate,
+                                  momentum=0.0 if fedavg else options.outer_momentum,
+                                  nesterov=not fedavg and options.outer_momentum > 0)
         else:
             local, outer = None, hello.optimizer
             shared.bind_grads()
@@ -369,19 +496,39 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         logger.info("training %s on %s%s, %s", spec.label, ", ".join(hello.devices), " (bf16 autocast)"
                     if hello.bf16 else "", "sandboxed" if settings.sandboxed else "NOT sandboxed (built-in workload)")
 
+        outliers = OutlierLog(workdir / "outliers.jsonl")
+
+        rounds: dict[int, RoundResult] = {}  # the last few rounds this node took part in, by epoch
+
         def report_round(result: RoundResult) -> None:
-            emit("round", job_id=a.job_id, epoch=result.epoch, solo=result.solo, claims=result.claims)
+            rounds[result.epoch] = result
+            for epoch in sorted(rounds)[:-4]:
+                del rounds[epoch]
+            emit("round", job_id=a.job_id, epoch=result.epoch, solo=result.solo, claims=result.claims,
+                 suspects=outliers.new_peers())
 
         def report_failed_round(epoch: int, error: BaseException) -> None:
             # For the daemon's metrics only: hivemind has already fallen back to this node's local gradients.
             emit("round_failed", job_id=a.job_id, epoch=epoch, error=repr(error)[:200])
 
+        daemon = DaemonSigner()
+        # It stores and reads only records chained to the coordinator's key (gpuswarm.dht.validators).
         dht = SwarmDHT(
             initial_peers=a.initial_peers, host_maddrs=[f"/ip4/{host}/tcp/0"], start=True,
-            record_validators=[NodeAdvertValidator()],
+            record_validators=validators(authority),
         )
         emit("ready", maddrs=[str(m) for m in dht.get_visible_maddrs()])
-        membership = Membership(dht, a.run_id, a.node_id)
+        proofs = RecordProofs(dht, daemon, authority, a.node_id)
+        proofs.refresh()  # before the first record: without it no peer would accept one
+        # Mode "fedavg": a fixed round, `local_epochs` passes over this node's own data (or `inner_steps`).
+        fixed_steps = options.inner_steps
+        if options.mode == "fedavg" and fixed_steps is None:
+            if not hello.train_size:
+                raise TrainerFailed('mode "fedavg" counts local_epochs by the workload\'s train_size, which it does '
+                                    'not give: set inner_steps')
+            fixed_steps = (options.local_epochs or 1) * math.ceil(hello.train_size / hello.batch_size)
+        fedavg_share = fixed_steps * hello.batch_size if options.mode == "fedavg" else None
+        membership = Membership(dht, a.run_id, a.node_id, proofs, fedavg_share)
         membership.wait_for(spec.min_nodes, stop)
         membership.keep_fresh(done)
         members = membership.place()[1]
@@ -389,10 +536,18 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         # the step time is a guess and the round time an estimate from the model's size (see local_updates).
         step_seconds = 0.0
         round_seconds = first_round_estimate(sum(shared.sizes), hello.matchmaking_time, members)
-        inner_steps = choose_inner_steps(1.0, round_seconds, options.inner_steps)
-        target = inner_steps * hello.batch_size * members if local is not None else hello.target_batch_size
-        attestor = ClaimAttestor(DaemonSigner(), a.node_id, a.job_id, str(dht.peer_id), report_round,
+        inner_steps = choose_inner_steps(1.0, round_seconds, fixed_steps)
+
+        def round_target(count: int) -> int:
+            """hivemind's sample target for a round: every member's share (members' own in mode "fedavg")."""
+            if local is None:
+                return hello.target_batch_size
+            return membership.round_samples(fedavg_share) if fedavg_share else inner_steps * hello.batch_size * count
+
+        target = round_target(members)
+        attestor = ClaimAttestor(daemon, a.node_id, a.job_id, str(dht.peer_id), report_round,
                                  inflate=inflate, on_failed=report_failed_round)
+        install_robust_reducer(str(workdir / "outliers.jsonl"))  # before hivemind forks its averagers
         optimizer = hivemind.Optimizer(
             dht=dht, run_id=a.run_id, target_batch_size=target,
             batch_size_per_step=hello.batch_size, params=shared.params, optimizer=outer.build,
@@ -415,48 +570,81 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         checkpoints = Checkpoints(spec.training, workdir / "checkpoints")
         last_epoch = optimizer.local_epoch
         resume_position = resumed and resumed.get("data_position")
-        samples_total, started = 0, time.time()
+        samples_total, round_samples, started = 0, 0, time.time()
+        # What another node needs to re-compute each round (a referee's audit: gpuswarm.node.evidence).
+        evidence = RoundEvidence(workdir / "evidence") if local is not None else None
+        if evidence is not None:
+            evidence.begin(shared.params, local.optimizer)
+        mark = time.monotonic()  # where the time this node's steps took was last counted up to
         swarm_samples = last_epoch * target  # the swarm's samples so far, for the data epochs a stop rule counts
         while not stop.is_set():
             if max_seconds is not None and time.time() - started > max_seconds:
                 raise TrainerFailed(f"the job ran past this node's wall-time limit for a job ({max_seconds:.0f}s)")
             index, count = membership.place()
             began = time.monotonic()
-            done_step = link.request("step", "step", f"computing step {optimizer.local_epoch + 1}",
-                                     version=shared.version, index=index, count=count, step=optimizer.local_epoch,
-                                     resume=resume_position)
+            # Node-local data (federated) is this node's alone: all of it is its shard.
+            shard = (0, 1) if spec.local_dataset is not None else (index, count)
+            if lazy:
+                done_step = StepDone(kind="step", samples=hello.batch_size, seconds=0.0, loss=0.0, position=Position(
+                    index=shard[0], count=shard[1], seed=0, batches=samples_total // hello.batch_size + 1))
+                shared.grad_flat.zero_()
+            else:
+                done_step = link.request("step", "step", f"computing step {optimizer.local_epoch + 1}",
+                                         version=shared.version, index=shard[0], count=shard[1],
+                                         step=optimizer.local_epoch, resume=resume_position)
+                shared.take_grads()
             resume_position = None
-            shared.take_grads()
             # Recorded before optimizer.step(): a round scheduled inside that step claims this batch, which
-            # hivemind has accumulated by then.
-            attestor.meter.record(done_step.samples, done_step.seconds)
+            # hivemind has accumulated by then. The seconds are this process's own clock on its steps since the
+            # last count (the previous step's optimizer step included; rounds and waits not): what the group's pace
+            # is read from, never the trainer's figure, which comes from the job's code.
+            counted = time.monotonic()
+            attestor.meter.record(done_step.samples, counted - mark)
+            mark = counted
             first_step = samples_total == 0
             if local is not None:
                 local.step(done_step.samples)
+                evidence.step(done_step.samples, done_step.position.model_dump())
             stepping = time.monotonic()
             optimizer.step(batch_size=done_step.samples if local is not None else None)
             stepped = time.monotonic()
             samples_total += done_step.samples
+            round_samples += done_step.samples
             attestor.poll()  # reports the round that just finished, or the epoch this node ended alone
             if first_step:
                 # The tracker publishes a peer only once it has accumulated samples: one step first, then wait.
                 wait_for_tracker(optimizer, spec.min_nodes, stop)
+                mark = time.monotonic()
             if optimizer.local_epoch == last_epoch:
                 if local is not None:
                     shared.publish(local.params)  # the next batch starts where this node's inner steps got to
                     step_seconds = ema(step_seconds, stepped - began)
+                    if round_samples >= inner_steps * hello.batch_size:
+                        wait_for_round(optimizer, stop)
+                        mark = time.monotonic()
                 continue
             # An averaged step (or the state loaded from a peer) changed the parameters: the trainer takes them.
             swarm_samples += optimizer.tracker.target_batch_size * (optimizer.local_epoch - last_epoch)
             if local is not None:
+                evidence.end(last_epoch, local.params)
                 local.restart()
+                evidence.begin(shared.params, local.optimizer)
                 round_seconds = ema(round_seconds, stepped - stepping)
-                inner_steps = choose_inner_steps(step_seconds, round_seconds, options.inner_steps)
-                optimizer.tracker.target_batch_size = inner_steps * hello.batch_size * count
+                # The pace of the group whose round just ended (its claims are for the epoch it ended), alike on
+                # every member, so that all take the same inner steps; this node's own timing when it was alone.
+                group = rounds.get(last_epoch)
+                pace = group_pace(c["payload"] for c in group.claims) if group and group.group_size > 1 else None
+                inner_steps = choose_inner_steps(*(pace or (step_seconds, round_seconds)), fixed_steps)
+                logger.info("round of epoch %d: %d inner steps next, from %s", last_epoch, inner_steps,
+                             f"the group's pace {pace}" if pace else "this node's own timing")
+                optimizer.tracker.target_batch_size = round_target(count)
             shared.publish()
             last_epoch = step = optimizer.local_epoch
+            round_samples = 0
             metrics = link.request("evaluate", "metrics", f"evaluating step {step}", version=shared.version).metrics
-            epochs = swarm_samples / hello.train_size if hello.train_size else None
+            # Passes over the swarm's data; node-local data (federated) are this node's part of it, one of `count`.
+            data_size = (hello.train_size or 0) * (count if spec.local_dataset is not None else 1)
+            epochs = swarm_samples / data_size if data_size else None
             elapsed = max(time.time() - started, 1e-6)
             loss_value = metrics.get("loss", metrics.get("val_loss"))
             accuracy = metrics.get("accuracy")
@@ -485,6 +673,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 state = link.take_file("state.pt", file_limit)
                 path = checkpoints.write(state, optimizer, step, samples_total, done_step.position.model_dump())
                 emit("checkpoint", path=str(path), step=step)
+            mark = time.monotonic()  # the round, the evaluation and the checkpoint were no step's time
         return 0
     finally:
         done.set()
@@ -497,6 +686,42 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             attestor.finish()
         if dht is not None:
             dht.shutdown()
+
+
+def start_trainer(link: TrainerLink, spec, inputs: Inputs):
+    """Start the job's trainer on this process's GPUs (CUDA_VISIBLE_DEVICES, set by the daemon) and threads, at
+    the nice level the daemon asks for; its Hello."""
+    import torch
+
+    threads = int(os.environ.get("GPUSWARM_TORCH_THREADS", "1"))
+    torch.set_num_threads(threads)
+    gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return link.start(spec.model_dump(mode="json"), inputs, gpus, threads,
+                      int(os.environ.get("GPUSWARM_TRAIN_NICE", "10")))
+
+
+def referee(spec: dict, workdir: Path, settings: Settings, inputs: Inputs, path: Path) -> int:
+    """Re-compute another node's round from its evidence file `path` with the job's workload (`spec`, sandboxed
+    as its training is) and emit the verdict (gpuswarm.node.evidence)."""
+    from gpuswarm.node import evidence
+    from gpuswarm.node.local_updates import LocalUpdates
+    from gpuswarm.proto.models import JobSpec
+
+    link = TrainerLink(workdir, settings)
+    try:
+        hello = start_trainer(link, JobSpec.model_validate(spec), inputs)
+        shared = SharedParams(link)
+        try:
+            kept = evidence.load(path, sum(shared.sizes))
+        except evidence.EvidenceError as e:
+            emit("verdict", epoch=None, steps=0, samples=0, distance=None, passed=False, reason=str(e))
+            return 0
+        result = evidence.replay(kept, link, shared, LocalUpdates(shared.params, shared.grads, hello.optimizer))
+        logger.info("replayed round %s: %s", result["epoch"], "passed" if result["passed"] else result["reason"])
+        emit("verdict", **result)
+        return 0
+    finally:
+        link.close(timeout=5.0)
 
 
 def ema(previous: float, value: float, weight: float = 0.5) -> float:
@@ -519,7 +744,7 @@ def die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuswarm-worker")
-    parser.add_argument("assignment", type=Path)
+    parser.add_argument("assignment", type=Path, help="the assignment's JSON (with --replay: {\"spec\": the job's})")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--code", type=Path, help="the job's code: an unpacked directory or a wheel")
@@ -531,8 +756,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-timeout", type=float, default=600.0,
                         help="seconds the workload may take for one step, evaluation or save")
     parser.add_argument("--max-hours", type=float, help="wall-time limit of the job on this node")
+    parser.add_argument("--authority", default="", help="the coordinator's key the run's DHT records chain to")
     parser.add_argument("--hide", type=Path, action="append", default=[],
                         help="a path of the node's state the workload must never see (repeatable)")
+    parser.add_argument("--replay", type=Path, metavar="EVIDENCE",
+                        help="do not train: re-compute the round in this evidence file and emit a verdict")
     args = parser.parse_args(argv)
     die_with_parent()
     logs.configure("info", os.environ.get(logs.FORMAT_ENV, "text"), "worker")
@@ -550,9 +778,11 @@ def main(argv: list[str] | None = None) -> int:
         emit("error", reason=f"this node cannot sandbox the job's code: {why}")
         return WORKLOAD_FAILED
     try:
+        if args.replay is not None:
+            return referee(assignment["spec"], args.workdir, settings, Inputs(args.code, args.dataset), args.replay)
         return run(assignment, args.host, args.workdir, stop, settings,
                    Inputs(args.code, args.dataset, args.checkpoint),
-                   args.max_hours * 3600 if args.max_hours else None)
+                   args.max_hours * 3600 if args.max_hours else None, args.authority)
     except (TrainerFailed, WorkloadError) as e:
         logger.error("training failed: %s", e)
         emit("error", reason=str(e))

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuswarm.proto.audits import AuditInfo, AuditRequest, RefereeTask
 from gpuswarm.proto.models import Assignment, AssignmentState, JobState, NodeState, Resources
-from pydantic import BaseModel, ConfigDict
+from gpuswarm.proto.signing import SignedEnvelope
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class ApiModel(BaseModel):
@@ -57,6 +59,7 @@ class JobSpecView(ApiModel):
     workload: str | None = None
     code: BlobRefView | None = None
     dataset: BlobRefView | None = None
+    local_dataset: str | None = None  # federated: the nodes' own dataset of this name
     hyperparameters: dict[str, Any] = {}
     stop: StopView = StopView()
     training: dict[str, Any] = {}
@@ -86,9 +89,10 @@ class Health(ApiModel):
 
 
 class DhtPeers(ApiModel):
-    """GET /v1/dht: the DHT bootstrap peer's multiaddrs."""
+    """GET /v1/dht: the DHT bootstrap peer's multiaddrs, and the authority key the swarm's DHT records chain to."""
 
     initial_peers: list[str]
+    authority: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- node routes
@@ -101,12 +105,31 @@ class HeartbeatAnswer(ApiModel):
     ok: bool = True
     server_time: float | None = None
     challenge: bool = False  # a GPU challenge is due: start one (POST /v1/challenges)
+    certificate: SignedEnvelope | None = None  # a fresh DHT cert for the node's advert (gpuswarm.proto.dht)
 
 
 class AssignmentList(ApiModel):
-    """POST /v1/nodes/assignments: the node's active assignments."""
+    """POST /v1/nodes/assignments: the node's active assignments, the audits of its rounds it must answer (upload
+    the round's evidence), and the rounds of others it is to referee (gpuswarm.proto.audits)."""
 
     assignments: list[Assignment]
+    audits: list[AuditRequest] = Field(default_factory=list)
+    referee: list[RefereeTask] = Field(default_factory=list)
+
+
+class AuditAnswer(ApiModel):
+    """PUT /v1/audits/{audit_id}/evidence and POST /v1/audits/{audit_id}/verdict: the audit's state after it."""
+
+    ok: bool = True
+    audit_id: str
+    state: str
+
+
+class JobAudits(ApiModel):
+    """GET /v1/jobs/{job_id}/audits: the job's audits, newest first."""
+
+    job_id: str
+    audits: list[AuditInfo]
 
 
 class ClaimOutcome(ApiModel):

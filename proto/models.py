@@ -17,6 +17,7 @@ import re
 from functools import partial
 from typing import Annotated, Any, Literal
 
+from gpuswarm.proto.signing import SignedEnvelope
 from gpuswarm.proto.strict import OwnerModel, drop_unknown_keys
 from gpuswarm.proto.workloads import WORKLOADS, validate_hyperparameters
 from pydantic import (
@@ -43,6 +44,8 @@ Multiaddr = Annotated[str, StringConstraints(min_length=4, max_length=512, patte
 Credits = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
 MAX_PARAMS_JSON = 16 * 1024
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+# A dataset's name: a packed dataset's file or directory name, or a node-local dataset's name (federated jobs).
+DatasetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")]
 # `package.module:function`: where the node finds a job owner's workload factory (see gpuswarm.sdk).
 ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 # A stop rule on a metric: "val_bpb <= 2.2", "accuracy >= 0.95".
@@ -75,12 +78,14 @@ class GPUInfo(WireModel):
 
 class Resources(WireModel):
     """What a node offers. A CPU-only node has no GPUs and states its cores and RAM. `custom_code`: its operator
-    opted in to running job owners' own code (`node start --allow-custom-code`); built-in workloads run anywhere."""
+    opted in to running job owners' own code (`node start --allow-custom-code`); built-in workloads run anywhere.
+    `datasets`: the names of the datasets its operator keeps on it for federated jobs (`JobSpec.local_dataset`)."""
 
     gpus: list[GPUInfo] = Field(default_factory=list, max_length=16)
     cpu_cores: Annotated[int, Field(ge=1, le=4096)]
     ram_gb: Annotated[float, Field(gt=0, le=65536, allow_inf_nan=False)]
     custom_code: bool = False
+    datasets: list[DatasetName] = Field(default_factory=list, max_length=64)
 
     @property
     def gpu_count(self) -> int:
@@ -119,6 +124,7 @@ class MeshPeer(WireModel):
     public_key: WireGuardKey
     address: Annotated[str, StringConstraints(max_length=64)]  # the peer's mesh address (allowed IP /32)
     endpoints: list[Endpoint] = Field(default_factory=list, max_length=17)  # candidates, best first
+    via: NodeId | None = None  # the peer to route through: no direct path between this node and this peer
 
 
 class MeshConfig(WireModel):
@@ -128,6 +134,7 @@ class MeshConfig(WireModel):
     cidr: Annotated[str, StringConstraints(max_length=64)]
     version: Annotated[int, Field(ge=0)]
     peers: list[MeshPeer] = Field(default_factory=list, max_length=4096)
+    forward: bool = False  # this node relays for peers that have no direct path between them
 
 
 class MeshPoll(WireModel):
@@ -219,7 +226,7 @@ class DatasetRef(BlobRef):
     directory's name); the node hands the workload the file or the unpacked directory."""
 
     format: Literal["file", "tar"]
-    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")]
+    name: DatasetName
 
 
 class TrainingOptions(OwnerModel):
@@ -237,11 +244,15 @@ class TrainingOptions(OwnerModel):
     unset, `inner_steps` is chosen by each node from the step and round times it measures, so that averaging takes
     about a tenth of a round. "sync": one averaged gradient step per `target_batch_size` samples across the swarm
     (plain data parallel, as one machine with that batch would train). `compression` is what averaging rounds send:
-    "fp16" (the default: half the bytes), "8bit" (a quarter; tensors under 65,536 values go as fp16) or "none"."""
+    "fp16" (the default: half the bytes), "8bit" (a quarter; tensors under 65,536 values go as fp16) or "none".
+    "fedavg" (federated averaging, for a job on node-local data, `JobSpec.local_dataset`): every node trains
+    `local_epochs` passes over its own data (or `inner_steps` steps), then the swarm takes the members' parameters
+    averaged, weighted by the samples each trained (the outer step at rate 1, no momentum)."""
 
     precision: Literal["fp32", "bf16"] = "fp32"
-    mode: Literal["diloco", "sync"] = "diloco"
+    mode: Literal["diloco", "sync", "fedavg"] = "diloco"
     inner_steps: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    local_epochs: Annotated[int, Field(ge=1, le=1000)] | None = None  # "fedavg" only: passes a round (default 1)
     outer_learning_rate: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] = 1.0
     outer_momentum: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 0.0
     compression: Literal["none", "fp16", "8bit"] = "fp16"
@@ -261,6 +272,9 @@ class JobSpec(OwnerModel):
     workload: ShortText | None = None
     code: CodeRef | None = None
     dataset: DatasetRef | None = None
+    # Federated: a dataset each node keeps itself, by the name its operator gave it (node setting `datasets`); only
+    # nodes that hold it are matched, and its data never leave them.
+    local_dataset: DatasetName | None = None
     hyperparameters: dict[str, Any] = Field(default_factory=dict, max_length=64, validate_default=True)
     stop: StopRule = Field(default_factory=StopRule)
     training: TrainingOptions = Field(default_factory=TrainingOptions)
@@ -300,6 +314,12 @@ class JobSpec(OwnerModel):
             raise ValueError(f"workload {self.workload} brings its own data; remove dataset")
         if self.min_nodes > self.max_nodes:
             raise ValueError(f"min_nodes ({self.min_nodes}) is greater than max_nodes ({self.max_nodes})")
+        if self.local_dataset is not None and (self.code is None or self.dataset is not None):
+            raise ValueError("local_dataset (the nodes' own data) goes with the job's own code and no dataset")
+        if self.training.mode == "fedavg" and self.local_dataset is None:
+            raise ValueError('training mode "fedavg" is for node-local data: name it in local_dataset')
+        if self.training.local_epochs is not None and self.training.mode != "fedavg":
+            raise ValueError('local_epochs is for training mode "fedavg"')
         return self
 
     @property
@@ -340,6 +360,7 @@ class AssignmentState(enum.StrEnum):
     FAILED = "failed"  # the node's training process crashed
     LOST = "lost"  # the node stopped heart-beating
     CANCELLED = "cancelled"
+    BANNED = "banned"  # members of its rounds named it a Byzantine outlier (see RoundReport.suspects)
 
     @property
     def is_final(self) -> bool:
@@ -371,7 +392,14 @@ class Assignment(WireModel):
     # The job's newest checkpoint when this answer was made: nodes that find no peer with the job's state resume
     # from it instead of from step 0.
     checkpoint: CheckpointRef | None = None
+    # The coordinator's DHT cert for this node in this run (gpuswarm.proto.dht): what lets its training process
+    # write the run's records. Fresh in every answer; none once the assignment has ended.
+    ticket: SignedEnvelope | None = None
 
+
+# Global steps a progress report may run ahead of the epochs its job's claims reached (the coordinator's ceiling on a
+# job's step; a node reports only progress within it, coordinator/heartbeats.py and node/daemon.py).
+PROGRESS_MARGIN = 5
 
 
 class Progress(WireModel):
@@ -401,6 +429,8 @@ class Heartbeat(WireModel):
     # Measured round-trip times to other nodes over the mesh: the matcher prefers close nodes for a job.
     peer_rtt_ms: dict[NodeId, Annotated[float, Field(ge=0, le=600_000, allow_inf_nan=False)]] = Field(
         default_factory=dict, max_length=256)
+    # Peers this node has had no working mesh path to for a while: the coordinator finds them a relay.
+    unreachable_peers: list[NodeId] = Field(default_factory=list, max_length=256)
 
 
 class AssignmentPoll(WireModel):
@@ -446,6 +476,10 @@ class RoundReport(WireModel):
     epoch: Count
     solo: bool = False
     claims: list[dict[str, Any]] = Field(min_length=1, max_length=64)  # SignedEnvelopes of ContributionClaims
+    # hivemind peer ids whose parts this node's reducer clipped as outliers since its previous report: the
+    # coordinator attests nothing of theirs from this report, and bans a peer that two members name.
+    suspects: list[Annotated[str, StringConstraints(min_length=1, max_length=128)]] = Field(
+        default_factory=list, max_length=16)
 
 
 class ArtifactMeta(WireModel):
@@ -493,6 +527,8 @@ class RegistrationResponse(WireModel):
     advert_ttl: NonNegFloat
     # None: the node registered without the mesh and uses its configured host address, unencrypted.
     mesh: MeshConfig | None = None
+    authority: str | None = None  # the key the swarm's DHT records chain to (gpuswarm.proto.dht)
+    certificate: SignedEnvelope | None = None  # the DHT cert for this node's advert
 
 
 _ID_RE = re.compile(JOB_ID_PATTERN)

@@ -262,6 +262,13 @@ class NetLab:
         again: a partition of one node from the coordinator and its peers alike."""
         self._ip(self.hub, "link", "set", f"v{i}", "down" if cut else "up")
 
+    def separate(self, nodes: list[int], apart: bool = True) -> None:
+        """Take away the direct links among `nodes` (bridge port isolation: isolated ports never exchange frames),
+        or (`apart=False`) give them back. Each of them still reaches every other namespace and the hub: two
+        nodes with no direct path that a third reaches, as behind two NATs that never meet."""
+        for i in nodes:
+            _run(["bridge", "-n", self.hub, "link", "set", "dev", f"v{i}", "isolated", "on" if apart else "off"])
+
     def start_relay(self, node_port: int | list[int], *, base_port: int = 52000, **impairment) -> Relay:
         """Start the WAN relay (scripts/wanrelay.py) in the hub, at the subnet's last address, with one face per
         node: give node i `relay.endpoint(i)` as the endpoint its peers use. `node_port` is the UDP port each node's

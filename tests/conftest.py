@@ -1,15 +1,19 @@
-"""Shared fixtures: the scripts/ lab helpers on the path, and an autouse guard that no test leaves processes."""
+"""Shared fixtures: the scripts/ lab helpers on the path, an autouse guard that no test leaves processes, and the
+test's local swarm lab (`swarm_lab`), stopped after it with its logs kept when it failed."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from localswarm import LocalSwarm  # noqa: E402
 
 
 def pytest_configure(config):
@@ -60,3 +64,22 @@ def artifacts_dir() -> Path:
     path = Path(__file__).resolve().parent.parent / "test-artifacts"
     path.mkdir(exist_ok=True)
     return path
+
+
+@pytest.fixture
+def swarm_lab(tmp_path, artifacts_dir, request) -> Iterator[Callable[..., LocalSwarm]]:
+    """Makes the test's LocalSwarm (keyword options as LocalSwarm's) under tmp_path/swarm. After the test every
+    process of it is stopped, and when the test failed its logs are kept under test-artifacts/TEST_NAME for whoever
+    reads the CI output."""
+    labs: list[LocalSwarm] = []
+
+    def make(**options) -> LocalSwarm:
+        labs.append(LocalSwarm(tmp_path / "swarm", **options))
+        return labs[-1]
+
+    yield make
+    for lab in labs:
+        lab.stop()
+        report = getattr(request.node, "rep_call", None)
+        if report is None or report.failed:
+            shutil.copytree(lab.logs, artifacts_dir / request.node.name, dirs_exist_ok=True)

@@ -1,15 +1,15 @@
 // gpuswarm dashboard: polls the coordinator's /v1 API and updates the page in place.
 //
-// Plain JavaScript, no build step, no libraries. Every string from the API reaches the page through textContent
-// or an attribute value, never as HTML (job names are user input). Charts are inline SVG drawn here.
+// Plain JavaScript, no build step. The one library is uPlot (vendor/uPlot.iife.min.js, loaded before this file),
+// which draws the charts on canvases. Every string from the API reaches the page through textContent or an
+// attribute value, never as HTML (job and sweep names are user input); uPlot sets its legend's text the same way.
 // Query parameters: ?interval=SECONDS (poll period, default 2).
+// window.gpuswarmDashboard.chart(key) returns the uPlot drawing the chart data-chart=key (tests read its data).
 "use strict";
 
 (() => {
   const TOKEN_KEY = "gpuswarm.ownerToken";
-  const SVG_NS = "http://www.w3.org/2000/svg";
   const MAX_POINTS = 4000; // per job in memory; older points are thinned beyond this
-  const MAX_CIRCLES = 300; // a dot per point up to this many, the line alone beyond
   const params = new URLSearchParams(window.location.search);
   const intervalSeconds = Number(params.get("interval"));
   const INTERVAL_MS = Number.isFinite(intervalSeconds) && intervalSeconds > 0
@@ -23,6 +23,9 @@
     again: false,
     nodes: new Map(), // node id -> node, from the last /v1/nodes
     job: null, // {id, points: [], lastStep, detail}
+    sweep: null, // {id, detail}
+    sweeps: new Map(), // sweep id -> summary, from the last /v1/sweeps
+    sweepsAbsent: false, // this coordinator answered /v1/sweeps with 404: an older one, without sweeps
   };
 
   // ------------------------------------------------------------------------------------------------ API
@@ -73,13 +76,6 @@
     return node;
   }
 
-  function svg(tag, attrs, text) {
-    const node = document.createElementNS(SVG_NS, tag);
-    for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, String(value));
-    if (text !== undefined) node.textContent = String(text);
-    return node;
-  }
-
   function setText(node, text) {
     const value = text === undefined || text === null ? "" : String(text);
     if (node.textContent !== value) node.textContent = value;
@@ -92,6 +88,33 @@
   function message(node, text) {
     setText(node, text || "");
     show(node, Boolean(text));
+  }
+
+  // A <dl> of [label, value] pairs, a <div> per pair holding its <dt> and <dd>, updated in place.
+  function renderFacts(dl, facts) {
+    if (dl.children.length !== facts.length) {
+      dl.replaceChildren(...facts.map(() => {
+        const pair = el("div");
+        pair.append(el("dt"), el("dd"));
+        return pair;
+      }));
+    }
+    facts.forEach(([label, value], i) => {
+      setText(dl.children[i].children[0], label);
+      setText(dl.children[i].children[1], value);
+    });
+  }
+
+  // Rows that open a hash route on a click or Enter; `target(row)` names it, or null for nowhere (yet).
+  function linkRow(row, target) {
+    row.className = "clickable";
+    row.tabIndex = 0;
+    const open = () => {
+      const hash = target(row);
+      if (hash) window.location.hash = hash;
+    };
+    row.addEventListener("click", open);
+    row.addEventListener("keydown", (event) => { if (event.key === "Enter") open(); });
   }
 
   // Keyed rows: existing rows are updated cell by cell (text only when it changed), new ones created, gone ones
@@ -196,6 +219,24 @@
     return id && id.length > 14 ? `${id.slice(0, 12)}…` : id || "";
   }
 
+  // A sweep's metric can be anything the workload reports: four significant digits, exponents at the extremes.
+  function metricValue(value) {
+    if (value === null || value === undefined || !Number.isFinite(Number(value))) return "–";
+    const v = Number(value);
+    const rounded = Number(v.toPrecision(4));
+    return v !== 0 && (Math.abs(v) >= 1e5 || Math.abs(v) < 1e-3) ? rounded.toExponential() : String(rounded);
+  }
+
+  function paramValue(value) {
+    if (typeof value === "number") return metricValue(value);
+    if (typeof value === "string") return value;
+    return JSON.stringify(value);
+  }
+
+  function paramsText(params) {
+    return Object.entries(params || {}).map(([key, value]) => `${key}=${paramValue(value)}`).join(", ");
+  }
+
   // ------------------------------------------------------------------------------------------------ status line
 
   function updated(ok, error) {
@@ -209,6 +250,7 @@
       const since = $("last-updated").dataset.updatedAt;
       const stale = since ? ` Showing data from ${clock(Number(since))}.` : "";
       message(banner, `${error.message}. Retrying every ${INTERVAL_MS / 1000} s.${stale}`);
+      if (error.status === 0) state.sweepsAbsent = false; // it may come back upgraded: ask for sweeps again
     }
   }
 
@@ -222,6 +264,7 @@
     if (!signedIn) {
       setText($("owner"), "");
       message($("auth-message"), "");
+      show($("sweeps-card"), false);
     }
   }
 
@@ -277,13 +320,7 @@
         { text: j.active_nodes ?? 0, className: "num" },
         { text: dateTime(j.created_at) },
       ];
-    }, (row, j) => {
-      row.className = "clickable";
-      row.tabIndex = 0;
-      const open = () => { window.location.hash = `#/jobs/${encodeURIComponent(j.id)}`; };
-      row.addEventListener("click", open);
-      row.addEventListener("keydown", (event) => { if (event.key === "Enter") open(); });
-    });
+    }, (row, j) => linkRow(row, () => `#/jobs/${encodeURIComponent(j.id)}`));
   }
 
   async function refreshNodes(generation) {
@@ -325,9 +362,10 @@
   // ------------------------------------------------------------------------------------------------ job page
 
   const METRICS = [
-    { key: "loss", format: (v) => num(v, 4), floorZero: true },
-    { key: "accuracy", format: percent, range: [0, 1] },
-    { key: "samples_per_second", format: (v) => num(v, 1), floorZero: true },
+    { key: "loss", label: "loss", format: (v) => num(v, 4), floorZero: true },
+    { key: "accuracy", label: "accuracy", format: percent, range: [0, 1],
+      tick: (v) => `${Number((100 * v).toFixed(1))}%` },
+    { key: "samples_per_second", label: "samples/s", format: (v) => num(v, 1), floorZero: true },
   ];
 
   function newJobState(id) {
@@ -404,20 +442,9 @@
       ["Finished", dateTime(d.finished_at) || "–"],
     ];
     if (d.error) facts.push(["Error", d.error]);
-    const dl = $("job-facts");
-    if (dl.children.length !== facts.length) { // a <div> per fact, holding its <dt> and <dd>
-      dl.replaceChildren(...facts.map(() => {
-        const pair = el("div");
-        pair.append(el("dt"), el("dd"));
-        return pair;
-      }));
-    }
-    facts.forEach(([label, value], i) => {
-      setText(dl.children[i].children[0], label);
-      setText(dl.children[i].children[1], value);
-    });
+    renderFacts($("job-facts"), facts);
 
-    for (const metric of METRICS) drawChart(job, metric);
+    for (const metric of METRICS) drawJobChart(job, metric);
     renderMembers(d);
     renderEvents(d.events || []);
     syncRows($("artifacts-table").tBodies[0], d.artifacts || [], (a) => a.name, "data-artifact", (a) => [
@@ -479,100 +506,407 @@
     if (stick) list.scrollTop = list.scrollHeight;
   }
 
-  // ------------------------------------------------------------------------------------------------ charts
+  // ------------------------------------------------------------------------------------------------ charts (uPlot)
 
-  function drawChart(job, metric) {
-    const chart = document.querySelector(`svg[data-chart="${metric.key}"]`);
+  const CHART_HEIGHT = 220;
+  // Trial lines: the accent first, then colours that read on the light and the dark background alike.
+  const PALETTE = ["#2563eb", "#16a34a", "#db2777", "#ea580c", "#7c3aed", "#0891b2", "#ca8a04", "#64748b"];
+  const INTEGER_INCRS = [0, 1, 2, 3, 4, 5, 6].flatMap((e) => [1, 2, 5].map((m) => m * 10 ** e)); // steps, trials
+  const charts = new Map(); // data-chart key -> {plot, shape, dataKey, meta}
+
+  // The page's colours, for the canvas (which cannot read CSS variables), taken when a chart is built.
+  function colors() {
+    const style = window.getComputedStyle(document.documentElement);
+    const read = (name) => style.getPropertyValue(name).trim();
+    return { accent: read("--accent"), muted: read("--muted"), line: read("--line"), ok: read("--ok"),
+      warn: read("--warn"), bad: read("--bad") };
+  }
+
+  function axis(c, extra) {
+    return { stroke: c.muted, grid: { stroke: c.line, width: 1 }, ticks: { stroke: c.line, width: 1 }, ...extra };
+  }
+
+  // A y axis as wide as its longest label (uPlot's fixed 50 px cuts "100.0%" short); `format` or uPlot's own.
+  function valueAxis(c, format) {
+    const size = (u, values) => 24 + 8 * Math.max(2, ...(values || []).map((v) => String(v).length));
+    return axis(c, format ? { size, values: (u, splits) => splits.map(format) } : { size });
+  }
+
+  function integerAxis(c) {
+    return axis(c, { incrs: INTEGER_INCRS, values: (u, splits) => splits.map((v) => String(v)) });
+  }
+
+  // Clock times on one line, 24-hour like the rest of the page: seconds for a short window, dates for days.
+  function timeAxis(c) {
+    return axis(c, { space: 70, values: (u, splits) => {
+      const span = u.scales.x.max - u.scales.x.min;
+      return splits.map((v) => {
+        const d = new Date(v * 1000);
+        const hm = `${pad(d.getHours())}:${pad(d.getMinutes())}`;
+        if (span > 2 * 86400) return `${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${hm}`;
+        return span > 1800 ? hm : `${hm}:${pad(d.getSeconds())}`;
+      });
+    } });
+  }
+
+  // A y range around the data with 5% room, from zero for counts and losses; [0, 1] before there is any.
+  function paddedRange(floorZero) {
+    return (u, lo, hi) => {
+      if (lo === null || hi === null || !Number.isFinite(lo) || !Number.isFinite(hi)) return [0, 1];
+      const bottom = floorZero ? Math.min(0, lo) : lo;
+      const room = (hi - bottom) * 0.05 || Math.abs(hi) * 0.05 || 1;
+      return [floorZero && bottom === 0 ? 0 : bottom - room, hi + room];
+    };
+  }
+
+  function chartWidth(container) {
+    return Math.max(240, Math.floor(container.clientWidth) || 400); // a hidden view measures 0: the observer fixes it
+  }
+
+  const resizer = new ResizeObserver((entries) => {
+    for (const entry of entries) {
+      const chart = charts.get(entry.target.dataset.chart);
+      const width = Math.floor(entry.contentRect.width);
+      if (chart && width > 0 && width !== chart.plot.width) chart.plot.setSize({ width, height: CHART_HEIGHT });
+    }
+  });
+
+  // The user dragged a window onto the x axis: new data must not reset it.
+  function zoomed(plot) {
+    const xs = plot.data[0];
+    const { min, max } = plot.scales.x;
+    return xs.length > 1 && (min > xs[0] || max < xs[xs.length - 1]);
+  }
+
+  // Draws `data` (uPlot's columns: x, then one array per series) in the element data-chart=key, with `points`
+  // points. `shape` names everything `buildOptions(colors, chart)` depends on (series, labels, styles): a new
+  // shape builds a new plot, the same shape only gets the new data, keeping the legend's toggles and a zoom.
+  // `dataKey` skips even that when nothing changed; `meta` is kept on the chart for the options' callbacks.
+  function plotChart(key, { shape, buildOptions, data, dataKey, points, meta }) {
+    const container = document.querySelector(`[data-chart="${key}"]`);
+    container.dataset.points = String(points);
+    show(container.querySelector(".chart-empty"), points === 0);
+    let chart = charts.get(key);
+    if (chart && chart.shape !== shape) {
+      clearChart(key);
+      chart = null;
+    }
+    if (!chart) {
+      chart = { shape, dataKey, meta, plot: null };
+      const options = { width: chartWidth(container), height: CHART_HEIGHT, ...buildOptions(colors(), chart) };
+      chart.plot = new uPlot(options, data, container);
+      charts.set(key, chart);
+      resizer.observe(container);
+      return;
+    }
+    chart.meta = meta;
+    if (chart.dataKey === dataKey) return;
+    chart.dataKey = dataKey;
+    chart.plot.setData(data, !zoomed(chart.plot));
+  }
+
+  function clearChart(key) {
+    const container = document.querySelector(`[data-chart="${key}"]`);
+    const chart = charts.get(key);
+    if (chart) {
+      resizer.unobserve(container);
+      chart.plot.destroy();
+      charts.delete(key);
+    }
+    container.dataset.points = "0";
+    show(container.querySelector(".chart-empty"), true);
+  }
+
+  // A job's metric over time; the legend follows the cursor with the point's time, step and value.
+  function drawJobChart(job, metric) {
     const series = job.points.filter((p) => Number.isFinite(p[metric.key]));
     const latest = series.length ? metric.format(series[series.length - 1][metric.key]) : "";
     setText($(`latest-${metric.key}`), latest);
-    const signature = `${job.id}:${series.length}:${job.lastStep}`;
-    if (chart.dataset.signature === signature) return;
-    chart.dataset.signature = signature;
-    chart.setAttribute("data-points", String(series.length));
+    plotChart(metric.key, {
+      shape: job.id,
+      data: [series.map((p) => p.at), series.map((p) => p[metric.key])],
+      dataKey: `${series.length}:${job.lastStep}`,
+      points: series.length,
+      meta: series,
+      buildOptions: (c, chart) => ({
+        scales: { x: { time: true },
+          y: { range: metric.range ? () => [...metric.range] : paddedRange(metric.floorZero) } },
+        axes: [timeAxis(c), valueAxis(c, metric.tick)],
+        series: [
+          { label: "time", value: (u, v, s, i) => {
+            const p = i === null ? null : chart.meta[i];
+            return p ? `${clock(p.at)} · step ${p.global_step} · epoch ${p.epoch ?? "–"}` : "–";
+          } },
+          { label: metric.label, stroke: c.accent, width: 2, value: (u, v) => (v === null ? "–" : metric.format(v)) },
+        ],
+      }),
+    });
+  }
 
-    const { width: W, height: H } = chart.viewBox.baseVal;
-    const box = { left: 56, right: 12, top: 12, bottom: 28 };
-    const parts = [];
-    if (!series.length) {
-      parts.push(svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, "no data yet"));
-      chart.replaceChildren(...parts);
+  // ------------------------------------------------------------------------------------------------ sweeps
+
+  // Older coordinators have no /v1/sweeps (404): the card stays hidden, and is not asked for again (each 404 is a
+  // console error in the browser) until the coordinator has been unreachable, as it is while being upgraded.
+  async function refreshSweeps(generation) {
+    if (!token() || state.sweepsAbsent) {
+      show($("sweeps-card"), false);
       return;
     }
-    const t0 = series[0].at;
-    const t1 = Math.max(series[series.length - 1].at, t0 + 1);
-    const values = series.map((p) => p[metric.key]);
-    let [lo, hi] = metric.range || [Math.min(...values), Math.max(...values)];
-    if (metric.floorZero) lo = Math.min(0, lo);
-    if (!metric.range) hi += (hi - lo) * 0.05;
-    if (hi <= lo) hi = lo + 1;
-    const x = (t) => box.left + ((t - t0) / (t1 - t0)) * (W - box.left - box.right);
-    const y = (v) => H - box.bottom - ((v - lo) / (hi - lo)) * (H - box.top - box.bottom);
+    let body;
+    try {
+      body = await api("v1/sweeps", { auth: true });
+    } catch (err) {
+      // A refused token is the jobs card's to explain; a coordinator without sweeps says nothing.
+      if (!(err.status === 404 || err.status === 405 || authProblem(err))) throw err;
+      if (err.status === 404 || err.status === 405) state.sweepsAbsent = true;
+      if (generation === state.generation) show($("sweeps-card"), false);
+      return;
+    }
+    if (generation !== state.generation) return;
+    const sweeps = Array.isArray(body.sweeps) ? body.sweeps : [];
+    state.sweeps = new Map(sweeps.map((sw) => [sw.id, sw]));
+    show($("sweeps-card"), true);
+    show($("sweeps-empty"), sweeps.length === 0);
+    syncRows($("sweeps-table").tBodies[0], sweeps, (sw) => sw.id, "data-sweep-id", (sw) => [
+      { text: sw.id, className: "mono" },
+      { text: sw.name || "(unnamed)", title: sw.name || "" },
+      { text: sw.state, state: sw.state, className: "state" },
+      { text: `${sw.metric} (${sw.direction})` },
+      { text: `${sw.trials_done ?? 0} / ${sw.trials ?? "?"}`, className: "num" },
+      { text: metricValue(sw.best_value), className: "num" },
+      { text: sw.best_trial === null || sw.best_trial === undefined ? "–" : `#${sw.best_trial}`, className: "num" },
+      { text: dateTime(sw.created_at) },
+    ], (row, sw) => linkRow(row, () => `#/sweeps/${encodeURIComponent(sw.id)}`));
+  }
 
-    for (let i = 0; i <= 4; i += 1) { // horizontal grid with value labels
-      const v = lo + ((hi - lo) * i) / 4;
-      parts.push(svg("line", { x1: box.left, x2: W - box.right, y1: y(v), y2: y(v), class: "grid" }));
-      parts.push(svg("text", { x: box.left - 6, y: y(v) + 4, "text-anchor": "end", class: "tick" },
-        metric.format(v)));
-    }
-    for (let i = 0; i <= 4; i += 1) { // time since the first point
-      const t = t0 + ((t1 - t0) * i) / 4;
-      const label = t1 - t0 < 20 ? `${(t - t0).toFixed(1)}s` : duration(t - t0);
-      parts.push(svg("text", { x: x(t), y: H - 8, "text-anchor": i === 0 ? "start" : i === 4 ? "end" : "middle",
-        class: "tick" }, label));
-    }
-    const coords = series.map((p) => `${x(p.at).toFixed(1)},${y(p[metric.key]).toFixed(1)}`).join(" ");
-    parts.push(svg("polyline", { points: coords, class: "line", "data-points": series.length }));
-    if (series.length <= MAX_CIRCLES) {
-      for (const p of series) {
-        const dot = svg("circle", { cx: x(p.at).toFixed(1), cy: y(p[metric.key]).toFixed(1), r: 2.5,
-          class: "dot", "data-step": p.global_step });
-        dot.appendChild(svg("title", {}, `step ${p.global_step} · epoch ${p.epoch ?? "–"} · `
-          + `${metric.format(p[metric.key])} · ${clock(p.at)}`));
-        parts.push(dot);
+  async function refreshSweep(generation) {
+    const sweep = state.sweep;
+    let detail;
+    try {
+      detail = await api(`v1/sweeps/${encodeURIComponent(sweep.id)}`, { auth: true });
+    } catch (err) {
+      if (generation !== state.generation) return;
+      if (err.status === 401 || err.status === 403 || err.status === 404) {
+        const text = err.status === 404 ? `No sweep ${sweep.id} (404: ${err.message}).`
+          : authProblem(err) || err.message;
+        message($("sweep-message"), token() ? text : "Sign in with the owner token to see this sweep.");
+        show($("sweep-card"), false);
+        return;
       }
+      throw err;
     }
-    chart.replaceChildren(...parts);
+    if (generation !== state.generation) return;
+    message($("sweep-message"), "");
+    show($("sweep-card"), true);
+    sweep.detail = detail;
+    renderSweep(detail);
+  }
+
+  // A trial's value: its final one, or else the last point of its curve (a running or a pruned trial).
+  function trialValue(trial) {
+    if (Number.isFinite(trial.value)) return trial.value;
+    const curve = trialCurve(trial);
+    return curve.length ? curve[curve.length - 1][1] : null;
+  }
+
+  function trialCurve(trial) {
+    const curve = Array.isArray(trial.curve) ? trial.curve : [];
+    return curve.filter((p) => Array.isArray(p) && Number.isFinite(p[0]) && Number.isFinite(p[1]));
+  }
+
+  function bestNumber(d) {
+    if (d.best && Number.isFinite(d.best.number)) return d.best.number;
+    return Number.isFinite(d.best_trial) ? d.best_trial : null;
+  }
+
+  function renderSweep(d) {
+    // In the detail `trials` is the list of trials: the planned count is `trials_planned`, or else the summary's
+    // `trials` from the last sweep list.
+    const trials = (Array.isArray(d.trials) ? d.trials : []).slice().sort((a, b) => a.number - b.number);
+    const summary = state.sweeps.get(d.id);
+    const planned = Number.isFinite(d.trials_planned) ? d.trials_planned
+      : summary && Number.isFinite(summary.trials) ? summary.trials : null;
+    const best = bestNumber(d);
+    setText($("sweep-name"), d.name || "(unnamed sweep)");
+    $("sweep-name").title = d.name || "";
+    setText($("sweep-state"), d.state);
+    $("sweep-state").dataset.state = d.state;
+    document.title = `${d.name || d.id} · gpuswarm`;
+    for (const node of document.querySelectorAll(".sweep-metric")) setText(node, d.metric);
+    setText($("latest-sweep-best"), d.best ? `best ${metricValue(d.best.value)}` : "");
+
+    const facts = [
+      ["Sweep", d.id],
+      ["Metric", `${d.metric} (${d.direction})`],
+      ["Trials done", planned === null ? `${d.trials_done ?? 0}` : `${d.trials_done ?? 0} of ${planned}`],
+      ["Trials started", trials.length],
+      ["Best value", metricValue(d.best ? d.best.value : d.best_value)],
+      ["Best trial", best === null ? "–" : `#${best}`],
+      ["Best params", d.best ? paramsText(d.best.params) || "–" : "–"],
+      ["Best job", d.best && d.best.job_id ? d.best.job_id : "–"],
+      ["Created", dateTime(d.created_at)],
+    ];
+    for (const [param, spec] of Object.entries(d.space || {})) facts.push([`Space: ${param}`, paramValue(spec)]);
+    renderFacts($("sweep-facts"), facts);
+
+    show($("trials-empty"), trials.length === 0);
+    syncRows($("trials-table").tBodies[0], trials, (t) => t.number, "data-trial", (t) => [
+      { text: `#${t.number}`, className: "num" },
+      { text: t.number === best ? "★ best" : "", state: t.number === best ? "best" : "", className: "state" },
+      { text: t.state, state: t.state, className: "state" },
+      { text: metricValue(trialValue(t)), title: Number.isFinite(t.value) ? "final" : "last reported",
+        className: "num" },
+      { text: t.pruned_at_step ?? "–", className: "num" },
+      { text: paramsText(t.params), title: paramsText(t.params) },
+      { text: t.job_id || "–", className: "mono" },
+    ], (row) => linkRow(row, (r) => { // the trial's job, once it has one (read at the click: it may have started)
+      const latest = state.sweep && state.sweep.detail ? state.sweep.detail.trials : null;
+      const trial = (Array.isArray(latest) ? latest : []).find((t) => String(t.number) === r.dataset.trial);
+      return trial && trial.job_id ? `#/jobs/${encodeURIComponent(trial.job_id)}` : null;
+    }));
+
+    drawTrialValues(d, trials, best);
+    drawTrialCurves(d, trials, best);
+  }
+
+  // The scatter: each trial's value at its number, one series per kind of trial, the best one ringed.
+  const TRIAL_KINDS = [
+    { label: "complete", states: ["complete"], color: (c) => c.accent },
+    { label: "running", states: ["running"], color: (c) => c.ok },
+    { label: "pruned", states: ["pruned"], color: (c) => c.muted },
+    { label: "failed", states: ["failed", "cancelled"], color: (c) => c.bad },
+  ];
+
+  function drawTrialValues(d, trials, best) {
+    const shown = trials.filter((t) => trialValue(t) !== null);
+    const values = shown.map(trialValue);
+    const data = [shown.map((t) => t.number)];
+    for (const kind of TRIAL_KINDS) {
+      data.push(shown.map((t, i) => (kind.states.includes(t.state) ? values[i] : null)));
+    }
+    data.push(shown.map((t, i) => (t.number === best ? values[i] : null)));
+    const dot = (color, size) => ({ show: true, size, width: 2, stroke: color, fill: color });
+    plotChart("sweep-trials", {
+      shape: `${d.id}:${d.metric}`,
+      data,
+      dataKey: shown.map((t, i) => `${t.number}:${t.state}:${values[i]}`).join(",") + `:${best}`,
+      points: shown.length,
+      meta: shown,
+      buildOptions: (c, chart) => ({
+        scales: { x: { time: false, range: (u, lo, hi) => [(lo ?? 0) - 0.5, (hi ?? 0) + 0.5] },
+          y: { range: paddedRange(false) } },
+        axes: [integerAxis(c), valueAxis(c, metricValue)],
+        series: [
+          { label: "trial", value: (u, v, s, i) => {
+            const t = i === null ? null : chart.meta[i];
+            return t ? `#${t.number} · ${paramsText(t.params) || "no params"}` : "–";
+          } },
+          ...TRIAL_KINDS.map((kind) => ({ label: kind.label, stroke: kind.color(c), paths: () => null,
+            points: dot(kind.color(c), 7), value: (u, v) => (v === null ? "–" : metricValue(v)) })),
+          { label: "best", stroke: c.warn, paths: () => null, value: (u, v) => (v === null ? "–" : metricValue(v)),
+            points: { show: true, size: 15, width: 2.5, stroke: c.warn, fill: "transparent" } },
+        ],
+      }),
+    });
+  }
+
+  // The learning curves: one line per trial against the global step; pruned ones dashed and grey, failed ones
+  // dashed red, the best one thicker.
+  function drawTrialCurves(d, trials, best) {
+    const drawn = trials.filter((t) => trialCurve(t).length > 0);
+    const curves = drawn.map(trialCurve);
+    // uPlot's x column is shared: join() aligns the curves on the union of their steps (undefined elsewhere,
+    // which the lines span).
+    const data = drawn.length
+      ? uPlot.join(curves.map((curve) => [curve.map((p) => p[0]), curve.map((p) => p[1])]))
+      : [[]];
+    plotChart("sweep-curves", {
+      shape: `${d.id}:${d.metric}:` + drawn.map((t) => `${t.number}/${t.state}/${t.number === best}`).join(","),
+      data,
+      dataKey: curves.map((curve) => `${curve.length}:${curve.length ? curve[curve.length - 1][1] : ""}`).join(","),
+      points: curves.reduce((sum, curve) => sum + curve.length, 0),
+      meta: null,
+      buildOptions: (c) => ({
+        // The legend shows a trial's value at the hovered step, or at one within 24 px: none past a curve's end.
+        cursor: { hover: { prox: 24 } },
+        scales: { x: { time: false }, y: { range: paddedRange(false) } },
+        axes: [integerAxis(c), valueAxis(c, metricValue)],
+        series: [
+          { label: "step", value: (u, v) => (v === null ? "–" : String(v)) },
+          ...drawn.map((t) => {
+            const stopped = t.state === "pruned" ? c.muted : t.state === "failed" || t.state === "cancelled" ? c.bad
+              : null;
+            return {
+              label: `#${t.number}${t.number === best ? " ★" : ""}${t.state === "pruned" ? " (pruned)" : ""}`,
+              stroke: stopped || PALETTE[t.number % PALETTE.length],
+              width: t.number === best ? 3 : 1.5,
+              dash: stopped ? [6, 4] : undefined,
+              spanGaps: true,
+              points: { show: false }, // dots would hide the dashes
+              value: (u, v) => (v === null || v === undefined ? "–" : metricValue(v)),
+            };
+          }),
+        ],
+      }),
+    });
   }
 
   // ------------------------------------------------------------------------------------------------ routing, polling
 
+  // #/ (the overview), #/jobs/ID or #/sweeps/ID.
   function route() {
-    const match = /^#\/jobs\/([^/]+)$/.exec(window.location.hash);
-    return match ? decodeURIComponent(match[1]) : null;
+    const match = /^#\/(jobs|sweeps)\/([^/]+)$/.exec(window.location.hash);
+    return match ? { view: match[1], id: decodeURIComponent(match[2]) } : { view: "overview", id: null };
+  }
+
+  function resetJobView(jobId) {
+    setText($("job-name"), jobId);
+    setText($("job-state"), "");
+    $("job-facts").replaceChildren();
+    for (const metric of METRICS) {
+      clearChart(metric.key);
+      setText($(`latest-${metric.key}`), "");
+    }
+    for (const id of ["members-table", "artifacts-table"]) $(id).tBodies[0].replaceChildren();
+    $("events").replaceChildren();
+    delete $("events").dataset.key;
+  }
+
+  function resetSweepView(sweepId) {
+    setText($("sweep-name"), sweepId);
+    setText($("sweep-state"), "");
+    $("sweep-facts").replaceChildren();
+    for (const key of ["sweep-trials", "sweep-curves"]) clearChart(key);
+    setText($("latest-sweep-best"), "");
+    $("trials-table").tBodies[0].replaceChildren();
   }
 
   function navigate() {
     state.generation += 1;
-    const jobId = route();
-    show($("view-overview"), !jobId);
-    show($("view-job"), Boolean(jobId));
-    if (jobId) {
-      if (!state.job || state.job.id !== jobId) {
-        state.job = newJobState(jobId);
-        setText($("job-name"), jobId);
-        setText($("job-state"), "");
-        $("job-facts").replaceChildren();
-        for (const chart of document.querySelectorAll("svg[data-chart]")) {
-          chart.replaceChildren();
-          chart.setAttribute("data-points", "0");
-          delete chart.dataset.signature;
-        }
-        for (const id of ["members-table", "artifacts-table"]) $(id).tBodies[0].replaceChildren();
-        $("events").replaceChildren();
-        delete $("events").dataset.key;
-      }
-    } else {
-      state.job = null;
-      document.title = "gpuswarm dashboard";
+    const { view, id } = route();
+    show($("view-overview"), view === "overview");
+    show($("view-job"), view === "jobs");
+    show($("view-sweep"), view === "sweeps");
+    if (view === "jobs" && (!state.job || state.job.id !== id)) {
+      state.job = newJobState(id);
+      resetJobView(id);
     }
+    if (view === "sweeps" && (!state.sweep || state.sweep.id !== id)) {
+      state.sweep = { id, detail: null };
+      resetSweepView(id);
+    }
+    if (view !== "jobs") state.job = null;
+    if (view !== "sweeps") state.sweep = null;
+    if (view === "overview") document.title = "gpuswarm dashboard";
     poll();
   }
 
   async function tick() {
     const generation = state.generation;
     const work = [refreshNodes(generation), refreshOwner()];
-    work.push(state.job ? refreshJob(generation) : refreshJobs(generation));
+    if (state.job) work.push(refreshJob(generation));
+    else if (state.sweep) work.push(refreshSweep(generation));
+    else work.push(refreshJobs(generation), refreshSweeps(generation));
     const results = await Promise.allSettled(work);
     const failed = results.find((r) => r.status === "rejected");
     updated(!failed, failed && failed.reason);
@@ -615,9 +949,11 @@
     $("signout").addEventListener("click", () => {
       window.localStorage.removeItem(TOKEN_KEY);
       $("jobs-table").tBodies[0].replaceChildren();
+      $("sweeps-table").tBodies[0].replaceChildren();
+      state.sweeps = new Map();
       renderAuth();
       state.generation += 1;
-      if (route()) window.location.hash = "#/";
+      if (route().view !== "overview") window.location.hash = "#/";
       else poll();
     });
     $("nodes-filter").addEventListener("input", applyNodeFilter);
@@ -626,5 +962,6 @@
     navigate();
   }
 
+  window.gpuswarmDashboard = Object.freeze({ chart: (key) => (charts.has(key) ? charts.get(key).plot : null) });
   init();
 })();

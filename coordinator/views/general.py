@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from aiohttp import web
 from gpuswarm.coordinator import openapi
-from gpuswarm.coordinator.config import DHT_PEERS, LEADERSHIP
+from gpuswarm.coordinator.config import AUTHORITY, DHT_PEERS, LEADERSHIP
 from gpuswarm.coordinator.openapi import describe, respond
 from gpuswarm.coordinator.views import shapes
 from gpuswarm.proto import api
@@ -32,7 +32,7 @@ async def openapi_document(request: web.Request) -> web.Response:
 @describe(auth="anyone", response=api.DhtPeers)
 async def dht_peers(request: web.Request) -> web.Response:
     """The DHT bootstrap peer's multiaddrs."""
-    return respond(api.DhtPeers, shapes.dht_json(bootstrap_peers(request.app)))
+    return respond(api.DhtPeers, shapes.dht_json(bootstrap_peers(request.app), request.app[AUTHORITY].public_key))
 
 
 def bootstrap_peers(app: web.Application) -> list[str]:

@@ -12,10 +12,10 @@ import logging
 import time
 
 from aiohttp import web
-from gpuswarm.coordinator import blobs, reputation
+from gpuswarm.coordinator import audits, blobs, reputation
 from gpuswarm.coordinator.auth import authenticate_node, node_refusal, read_signed, require_admin
 from gpuswarm.coordinator.challenge_schedule import after_registration
-from gpuswarm.coordinator.config import ADVERTS, CONFIG, HEARTBEATS, MESH_VERSION, SESSIONS
+from gpuswarm.coordinator.config import ADVERTS, AUTHORITY, CONFIG, HEARTBEATS, MESH_VERSION, SESSIONS
 from gpuswarm.coordinator.db import AssignmentRow, Job, Node
 from gpuswarm.coordinator.errors import Conflict, NotFound
 from gpuswarm.coordinator.heartbeats import lose_assignments
@@ -79,9 +79,11 @@ async def register(request: web.Request) -> web.Response:
         version = await mesh_changed(request)
         async with request.app[SESSIONS]() as session:
             mesh = await mesh_config(session, await session.get(Node, reg.node_id), config.mesh_cidr, version)
+    authority = request.app[AUTHORITY]
     response = RegistrationResponse(node_id=reg.node_id, dht_initial_peers=bootstrap_peers(request.app),
                                     heartbeat_interval=config.heartbeat_interval, advert_ttl=config.advert_ttl,
-                                    mesh=mesh)
+                                    mesh=mesh, authority=authority.public_key,
+                                    certificate=authority.node_cert(reg.node_id))
     return respond(response)
 
 
@@ -95,7 +97,9 @@ async def heartbeat(request: web.Request) -> web.Response:
         wake(request)
     if outcome.membership_changed:
         await mesh_changed(request)
-    return respond(api.HeartbeatAnswer, shapes.heartbeat_json(outcome.challenge))
+    # A heartbeat refused (revoked, unknown) raised above: only a node in good standing gets a fresh cert.
+    certificate = request.app[AUTHORITY].node_cert(message.payload.node_id)
+    return respond(api.HeartbeatAnswer, shapes.heartbeat_json(outcome.challenge, certificate))
 
 
 @routes.post("/v1/mesh/peers")
@@ -143,7 +147,8 @@ async def revoke_node(request: web.Request) -> web.Response:
 @routes.post("/v1/nodes/assignments")
 @describe(auth="node", body=AssignmentPoll, signed="poll", response=api.AssignmentList)
 async def poll_assignments(request: web.Request) -> web.Response:
-    """The node's active assignments, each with its job's newest checkpoint (if any)."""
+    """The node's active assignments, each with its job's newest checkpoint (if any); the audits of its rounds
+    waiting for its evidence, and the rounds it is to referee."""
     message = await read_signed(request, "poll", AssignmentPoll)
     async with request.app[SESSIONS].begin() as session:
         await authenticate_node(session, message)
@@ -152,7 +157,9 @@ async def poll_assignments(request: web.Request) -> web.Response:
             .where(AssignmentRow.node_id == message.node_id, AssignmentRow.state == AssignmentState.ACTIVE.value)
         )).all()
         checkpoints = await blobs.latest_checkpoints(session, [j.id for _, j in rows])
-        body = shapes.assignments_json(rows, bootstrap_peers(request.app), checkpoints)
+        body = shapes.assignments_json(rows, bootstrap_peers(request.app), checkpoints, request.app[AUTHORITY])
+        body["audits"] = [r.model_dump(mode="json") for r in await audits.requests_for(session, message.node_id)]
+        body["referee"] = [t.model_dump(mode="json") for t in await audits.tasks_for(session, message.node_id)]
     return respond(api.AssignmentList, body)
 
 

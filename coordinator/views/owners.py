@@ -63,7 +63,7 @@ async def adjust_credits(request: web.Request) -> web.Response:
         if amount < 0 and await ledger.balance(session, account) < -amount:
             raise Conflict("the adjustment would make the balance negative", code="insufficient_funds")
         if amount > 0:
-            await ledger.transfer(session, ledger.MINT, account, amount, "adjust", now, memo=body.memo)
+            await ledger.mint(session, account, amount, "adjust", now, memo=body.memo)
         else:
             await ledger.transfer(session, account, ledger.MINT, -amount, "adjust", now, memo=body.memo)
         return respond(api.OwnerAccount, await _owner_json(session, owner))

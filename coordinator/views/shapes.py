@@ -13,10 +13,12 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpuswarm.coordinator import ledger, tensorboard
-from gpuswarm.coordinator.db import Artifact, AssignmentRow, Contribution, Job, JobEvent, Node, Owner
+from gpuswarm.coordinator.authority import Authority
+from gpuswarm.coordinator.db import Artifact, AssignmentRow, Audit, Contribution, Job, JobEvent, Node, Owner
 from gpuswarm.coordinator.ledger import Ignored
 from gpuswarm.proto.dht import job_run_id
 from gpuswarm.proto.models import Assignment, AssignmentState, CheckpointRef, JobSpec, JobState
+from gpuswarm.proto.signing import SignedEnvelope
 
 from gpuswarm import __version__
 
@@ -93,8 +95,9 @@ def node_list_json(nodes: Iterable[Node], adverts: dict, jobs: dict[str, list[st
                                                "reputation": reputations[n.id]} for n in nodes]}
 
 
-def heartbeat_json(challenge: bool) -> dict:
-    return {"ok": True, "server_time": time.time(), "challenge": challenge}
+def heartbeat_json(challenge: bool, certificate: SignedEnvelope) -> dict:
+    return {"ok": True, "server_time": time.time(), "challenge": challenge,
+            "certificate": certificate.model_dump(mode="json")}
 
 
 def revoked_json(node_id: str) -> dict:
@@ -102,19 +105,20 @@ def revoked_json(node_id: str) -> dict:
 
 
 def assignments_json(rows: Iterable[tuple[AssignmentRow, Job]], initial_peers: list[str],
-                     checkpoints: Mapping[str, CheckpointRef] | None = None) -> dict:
-    """A node's assignments, each with its job and the job's newest checkpoint, as proto `Assignment`s."""
-    checkpoints = checkpoints or {}
+                     checkpoints: Mapping[str, CheckpointRef], authority: Authority) -> dict:
+    """A node's active assignments, each with its job, the job's newest checkpoint and a fresh run ticket, as
+    proto `Assignment`s."""
     return {"assignments": [
         Assignment(assignment_id=a.id, job_id=j.id, node_id=a.node_id, state=AssignmentState(a.state),
                    job_state=JobState(j.state), spec=JobSpec.model_validate(j.spec), run_id=job_run_id(j.id),
                    shard_index=a.shard_index, num_shards=a.num_shards, initial_peers=initial_peers,
-                   checkpoint=checkpoints.get(j.id)).model_dump(mode="json")
+                   checkpoint=checkpoints.get(j.id), ticket=authority.run_ticket(a.node_id, job_run_id(j.id)),
+                   ).model_dump(mode="json")
         for a, j in rows]}
 
 
-def dht_json(initial_peers: list[str]) -> dict:
-    return {"initial_peers": initial_peers}
+def dht_json(initial_peers: list[str], authority: str) -> dict:
+    return {"initial_peers": initial_peers, "authority": authority}
 
 
 def round_json(results: Sequence[Contribution], ignored: Sequence[Ignored]) -> dict:
@@ -122,6 +126,16 @@ def round_json(results: Sequence[Contribution], ignored: Sequence[Ignored]) -> d
             "claims": [{"node_id": r.node_id, "epoch": r.epoch, "status": r.status,
                         "credited_samples": r.credited_samples, "flag": r.flag} for r in results],
             "ignored": [{"node_id": i.node_id, "epoch": i.epoch, "reason": i.reason} for i in ignored]}
+
+
+def audit_answer_json(audit: Audit) -> dict:
+    return {"ok": True, "audit_id": audit.id, "state": audit.state}
+
+
+def audit_list_json(job: Job, rows: Sequence[Audit]) -> dict:
+    return {"job_id": job.id, "audits": [
+        {"audit_id": a.id, "node_id": a.node_id, "epoch": a.epoch, "state": a.state, "referees": list(a.referees),
+         "distance": a.distance, "reason": a.reason, "requested_at": a.requested_at} for a in rows]}
 
 
 def artifact_stored_json(name: str, size: int, sha256: str) -> dict:

@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import secrets
 import time
 from pathlib import Path
 
 import torch
-from gpuswarm.node.challenge import answer, solve, warm_up
+from gpuswarm.node.challenge import rehearse, warm_up
 from gpuswarm.proto import challenge as ch
-from gpuswarm.proto.challenge import ChallengeIssue, ChallengeReveal
 from gpuswarm.proto.models import Resources
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,29 +40,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def challenge_for(resources: Resources) -> ChallengeIssue:
-    device, n = ch.device_class(resources), ch.challenge_size(resources)
-    limit = ch.time_limit(device, n)
-    return ChallengeIssue(challenge_id=f"c-{secrets.token_hex(8)}", node_id="0" * 16, seed=secrets.token_hex(16),
-                          n=n, device_class=device.name, time_limit=limit, issued_at=0.0, deadline=limit)
-
-
 def run_class(label: str, resources: Resources) -> list[str]:
-    issue = challenge_for(resources)
-    solution = solve(issue, "cpu")  # no give_up_at: run to the end to know how long it takes
-    reveal = ChallengeReveal(challenge_id=issue.challenge_id, r_seed=secrets.token_hex(16),
-                             rows=sorted(secrets.SystemRandom().sample(range(issue.n), ch.OPENED_ROWS)),
-                             proof_deadline=0.0)
-    proof = answer(solution, reveal, issue.node_id)
-    started = time.perf_counter()
-    product, opened = ch.decode_proof(proof, issue.n, reveal.rows)
-    verdict = ch.check_proof(issue.seed, issue.n, solution.root, reveal.r_seed, product, opened)
-    verify = time.perf_counter() - started
-    if not verdict.passed:
-        raise SystemExit(f"an honest answer failed: {verdict.reason}")
-    within = "yes" if solution.seconds <= issue.time_limit else "NO"
-    return [f"| {label} | {issue.device_class} | {issue.n} | {solution.seconds:.2f} | {issue.time_limit:.2f} | "
-            f"{within} | {ch.measured_gflops(issue.n, solution.seconds):.0f} | {verify:.2f} |"]
+    r = rehearse(resources, "cpu")
+    if not r.proof_ok:
+        raise SystemExit(f"an honest answer failed: {r.reason}")
+    within = "yes" if r.passed else "NO"
+    return [f"| {label} | {r.issue.device_class} | {r.issue.n} | {r.seconds:.2f} | {r.issue.time_limit:.2f} | "
+            f"{within} | {r.gflops:.0f} | {r.check_seconds:.2f} |"]
 
 
 def main() -> None:

@@ -22,17 +22,20 @@ from aiohttp.test_utils import TestServer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gpuswarm.client.api import ENVELOPE_HEADER
 from gpuswarm.coordinator.app import create_app
-from gpuswarm.coordinator.config import ADMIN_TOKEN, CoordinatorConfig
+from gpuswarm.coordinator.config import ADMIN_TOKEN, SESSIONS, CoordinatorConfig
+from gpuswarm.coordinator.db import Audit, Contribution
 from gpuswarm.mesh.keys import KeyPair
 from gpuswarm.node.challenge import answer, solve
 from gpuswarm.node.identity import Identity
-from gpuswarm.proto import api, challenge, models
+from gpuswarm.proto import api, audits, challenge, models, sweeps
 from gpuswarm.proto.challenge import ChallengeIssue, ChallengeReveal
+from sqlalchemy import select
 
 # Routes whose success answer is not a JSON document of ours: the document itself, and artifact bytes.
 NOT_JSON = {("/v1/openapi.json", "get"), ("/v1/jobs/{job_id}/artifacts/{name}", "get"),
-            ("/v1/blobs/{sha256}", "get"), ("/v1/jobs/{job_id}/blobs/{sha256}", "get")}
-MODEL_MODULES = (api, models, challenge)
+            ("/v1/blobs/{sha256}", "get"), ("/v1/jobs/{job_id}/blobs/{sha256}", "get"),
+            ("/v1/audits/{audit_id}/evidence", "get")}
+MODEL_MODULES = (api, models, challenge, sweeps, audits)
 JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
 
 
@@ -226,8 +229,41 @@ async def test_every_json_answer_matches_its_documented_schema(tmp_path: Path):
         assert {n["id"] for n in nodes["nodes"]} == {a.node_id, b.node_id}
         await call("GET", "/v1/nodes/{node_id}/statement", 200, node_id=a.node_id)
 
+        # An audit of a's round (opened here: the draw and the referee are coordinator.audits', tested apart):
+        # a uploads its evidence, b referees it.
+        async with app[SESSIONS].begin() as db:
+            claim_id = (await db.scalars(select(Contribution.id).where(Contribution.node_id == a.node_id))).one()
+            db.add(Audit(id="a-0123456789ab", job_id=job["id"], node_id=a.node_id, epoch=0, claim_id=claim_id,
+                         state="requested", referees=[], excluded=[], failures=0, reason="", requested_at=now,
+                         deadline=now + 600))
+        assert (await call("POST", "/v1/nodes/assignments", 200, signed(a, "poll", {"node_id": a.node_id})))["audits"]
+        evidence = {"audit_id": "a-0123456789ab", "node_id": a.node_id, "size": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest()}
+        await call("PUT", "/v1/audits/{audit_id}/evidence", 201, data=data, audit_id="a-0123456789ab",
+                   headers={ENVELOPE_HEADER: json.dumps(signed(a, audits.EVIDENCE_KIND, evidence)),
+                            "Content-Type": "application/octet-stream"})
+        async with app[SESSIONS].begin() as db:
+            audit = await db.get(Audit, "a-0123456789ab")
+            audit.state, audit.referee_id = "assigned", b.node_id
+        assert (await call("POST", "/v1/nodes/assignments", 200, signed(b, "poll", {"node_id": b.node_id})))["referee"]
+        await call("POST", "/v1/audits/{audit_id}/verdict", 200, signed(b, audits.VERDICT_KIND, {
+            "audit_id": "a-0123456789ab", "node_id": b.node_id, "steps": 3, "samples": 96, "distance": 0.0,
+            "passed": True}), audit_id="a-0123456789ab")
+        assert (await call("GET", "/v1/jobs/{job_id}/audits", 200, token=token, job_id=job["id"]))["audits"]
+
         other = await call("POST", "/v1/jobs", 201, spec | {"name": "cancelled"}, token=token)
         await call("POST", "/v1/jobs/{job_id}/cancel", 200, token=token, job_id=other["id"])
+
+        # A sweep: its first trial starts as a job at the supervisor's next tick, then the sweep is cancelled.
+        sweep = await call("POST", "/v1/sweeps", 201, {
+            "trials": 2, "parallel": 1, "space": {"hidden": {"type": "int", "low": 16, "high": 64}},
+            "job": spec | {"name": "trial"}}, token=token)
+        deadline = time.monotonic() + 15
+        while not (await call("GET", "/v1/sweeps/{sweep_id}", 200, token=token, sweep_id=sweep["id"]))["trials"]:
+            assert time.monotonic() < deadline, "the sweep started no trial"
+            await asyncio.sleep(0.2)
+        assert (await call("GET", "/v1/sweeps", 200, token=token))["sweeps"][0]["id"] == sweep["id"]
+        await call("POST", "/v1/sweeps/{sweep_id}/cancel", 200, token=token, sweep_id=sweep["id"])
         await call("POST", "/v1/nodes/{node_id}/revoke", 200, {}, token=admin_token, node_id=b.node_id)
 
         documented = {(path, method) for path, operations in document["paths"].items() for method in operations}

@@ -299,6 +299,59 @@ async def test_malformed_json_is_400(client: TestClient, path: str, body: bytes)
                    headers={"Content-Type": "application/json"})
 
 
+LONG_INT = b"7" * 5000  # past Python's 4,300-digit limit for int(str)
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/owners", "/v1/nodes/register", "/v1/nodes/heartbeat"])
+@pytest.mark.parametrize("body", [b'{"workload": ' + LONG_INT + b"}", b'{"payload": {"a": ' + LONG_INT + b"}}",
+                                  b"[" * 30_000 + b"]" * 30_000])
+async def test_integers_longer_than_python_converts_and_deep_nesting_are_400(client: TestClient, path, body):
+    headers = {"Content-Type": "application/json"}
+    if path == "/v1/owners":
+        headers["Authorization"] = f"Bearer {client.app[ADMIN_TOKEN]}"
+    await rejected(client, "POST", path, 400, "malformed_json", data=body, headers=headers)
+
+
+@pytest.mark.parametrize("header", ['{"kind": ' + LONG_INT.decode() + "}", "[" * 3000 + "]" * 3000, "{", "\u00e9"])
+async def test_a_bad_signed_header_is_400_not_500(client: TestClient, header: str):
+    await rejected(client, "PUT", "/v1/jobs/j-000000000000/artifacts/model.pt", 400, "malformed_json", data=b"x",
+                   headers={signing_header(): header})
+
+
+@pytest.mark.parametrize("token", ["Bearer gso_\u00e9t\u00e9", "Bearer \u00ff\u00fe", "Bearer a\u2028b"])
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/owners/me"), ("POST", "/v1/nodes/x/revoke"),
+                                              ("POST", "/v1/owners")])
+async def test_a_non_ascii_token_is_401(client: TestClient, token: str, method: str, path: str):
+    await rejected(client, method, path, 401, "bad_token", headers={"Authorization": token}, json={})
+
+
+async def test_credits_stay_inside_the_supply_so_no_sum_overflows(client: TestClient):
+    admin = {"Authorization": f"Bearer {client.app[ADMIN_TOKEN]}"}
+    owner = await (await client.get("/v1/owners/me")).json()
+    # 1,000 credits exist (the test owner's); the supply is 1e12: one more 1e12 grant would pass it.
+    error = await rejected(client, "POST", f"/v1/owners/{owner['id']}/credits", 409, "supply_limit",
+                           json={"amount": 1e12}, headers=admin)
+    assert "circulation" in error["message"]
+    await rejected(client, "POST", "/v1/owners", 409, "supply_limit", json={"name": "rich", "credits": 1e12},
+                   headers=admin)
+    response = await client.post(f"/v1/owners/{owner['id']}/credits", json={"amount": 1e12 - 1000}, headers=admin)
+    assert response.status == 200, await response.text()
+    assert (await response.json())["balance"] == 1e12
+
+
+@pytest.mark.parametrize("method", ["TRACE", "PATCH", "DELETE"])
+async def test_405_says_which_methods_are_allowed(client: TestClient, method: str):
+    response = await client.request(method, "/v1/jobs")
+    await error_of(response, 405, "method_not_allowed")
+    assert set(response.headers["Allow"].split(",")) == {"GET", "HEAD", "POST"}
+
+
+def signing_header() -> str:
+    from gpuswarm.proto.models import ENVELOPE_HEADER
+
+    return ENVELOPE_HEADER
+
+
 @pytest.mark.parametrize("spec", [
     pytest.param({}, id="missing-workload"),
     pytest.param([], id="array-body"),

@@ -115,7 +115,7 @@ async def test_follow_prints_each_step_and_exits_0_when_the_job_completes(coordi
     follower = await Follower.start(url, token, job_id)
     first = await follower.until(lambda line: PROGRESS.match(line) and " event: " not in line)
     assert first.split()[1:3] == ["running", "0%"] and " step 0 " in first and "epoch 0.00/4" in first
-    for step, accuracy in ((10, 0.5), (20, 0.7), (30, 0.8)):
+    for step, accuracy in ((3, 0.5), (6, 0.7), (9, 0.8)):  # a step moves at most 5 past the job's (no claims)
         await heartbeat(client, node, job_id, step, accuracy)
         line = await follower.until(lambda line, step=step: f" step {step} " in line)
         assert f"{step / 40:.0%}  epoch {step / 10:.2f}/4" in line and f"accuracy {accuracy:.4f}" in line
@@ -135,7 +135,7 @@ async def test_follow_prints_each_step_and_exits_0_when_the_job_completes(coordi
     code, errors = await follower.finish()
     assert code == 0, (follower.text(), errors)
     steps = [int(re.search(r" step (\d+) ", line).group(1)) for line in follower.progress()]
-    assert steps[0] == 0 and steps[-1] == 30 and steps == sorted(steps) and {10, 20, 30} <= set(steps)
+    assert steps[0] == 0 and steps[-1] == 9 and steps == sorted(steps) and {3, 6, 9} <= set(steps)
     assert follower.progress()[-1].split()[1:3] == ["completed", "100%"]
     assert any(line.endswith(f" event: completed: node {node.node_id} saved the final model (accuracy 0.93)")
                for line in follower.lines)
@@ -165,8 +165,8 @@ async def test_follow_json_prints_one_object_per_poll(coordinator):
     node, job_id = await running_job(client)
     follower = await Follower.start(url, token, job_id, "--json")
     await follower.until(lambda line: True)
-    await heartbeat(client, node, job_id, 7, 0.6)
-    await follower.until(lambda line: json.loads(line)["progress"]["global_step"] == 7)
+    await heartbeat(client, node, job_id, 4, 0.6)
+    await follower.until(lambda line: json.loads(line)["progress"]["global_step"] == 4)
     assert (await client.post(f"/v1/jobs/{job_id}/cancel")).status == 200
     code, errors = await follower.finish()
     assert code == 1, errors
@@ -209,9 +209,9 @@ async def test_follow_rides_out_a_coordinator_restart(tmp_path):
     await follower.until_stderr("warning: cannot reach the coordinator")
     async with TestServer(create_app(config), port=port) as server:
         async with SharedServerClient(server, headers={"Authorization": f"Bearer {token}"}) as client:
-            await heartbeat(client, node, job_id, 12, 0.5)
+            await heartbeat(client, node, job_id, 4, 0.5)
             await follower.until_stderr("coordinator reachable again")
-            await follower.until(lambda line: " step 12 " in line)
+            await follower.until(lambda line: " step 4 " in line)
             assert (await client.post(f"/v1/jobs/{job_id}/cancel")).status == 200
             code, errors = await follower.finish()
     assert code == 1, (follower.text(), errors)

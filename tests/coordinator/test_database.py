@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 import test_api
 from aiohttp.test_utils import TestClient
 from test_api import (
+    claim,
     job_spec,
     new_identity,
     register,
     registration,
     rejected,
+    round_report,
     signed,
 )
 
@@ -37,6 +40,11 @@ async def heartbeat(client: TestClient, node, **payload) -> dict:
 
 async def test_progress_counts_up_to_two_to_the_53_are_kept(client: TestClient, assigned):
     node, job_id = assigned
+    # A step is taken only a few epochs past a credited claim: the lone member's solo round for epoch BIG - 1.
+    now = time.time()
+    solo = claim(node, job_id, BIG - 1, samples=BIG, window_start=now - 2, window_end=now)
+    response = await client.post("/v1/rounds", json=round_report(node, job_id, [solo], epoch=BIG - 1, solo=True))
+    assert response.status == 201, await response.text()
     await heartbeat(client, node, progress=[{"job_id": job_id, "epoch": 1.5, "global_step": BIG, "samples": BIG}])
     job = await (await client.get(f"/v1/jobs/{job_id}")).json()
     assert job["progress"]["global_step"] == BIG and job["progress"]["epoch"] == 1.5

@@ -263,9 +263,11 @@ async def test_a_claim_beyond_measured_throughput_is_capped_and_flagged(alice, p
         statement = await get(alice, f"/v1/jobs/{job_id}/statement")
         by_node = rows(statement)
         assert by_node[a.node_id]["samples"] == 600 * (epoch + 1) and by_node[a.node_id]["flagged"] == 0
-        # Capped at 3x its peer's share each time; flagged from its second round (the first round's shares depend
-        # on when each member started).
-        assert by_node[b.node_id]["samples"] == 1800 * (epoch + 1) and by_node[b.node_id]["flagged"] == epoch
+        # Its first round capped at 3x its peer's share, unflagged (the first round's shares depend on when each
+        # member started); from its second, flagged and credited the peer's share alone: no slack for a liar.
+        assert by_node[b.node_id]["samples"] == [1800, 1800 + 600][epoch] and by_node[b.node_id]["flagged"] == epoch
+    # Paid for the fraction of its window its credit supports: inflating earned it less than honesty.
+    assert by_node[b.node_id]["paid"] < by_node[a.node_id]["paid"]
     nodes = {n["id"]: n for n in (await get(alice, "/v1/nodes"))["nodes"]}
     assert nodes[b.node_id]["reputation"] < nodes[a.node_id]["reputation"]
 
@@ -313,3 +315,78 @@ async def test_a_round_reported_an_hour_late_is_still_credited(alice, pair):
     await report(alice, a, job_id, old)
     result = await report(alice, b, job_id, old[::-1])
     assert {c["status"] for c in result["claims"]} == {"credited"}
+
+
+async def test_claims_for_windows_after_a_cancel_are_not_paid_even_when_attested(alice, pair):
+    a, b, job_id = pair
+    response = await alice.post(f"/v1/jobs/{job_id}/cancel")
+    assert response.status == 200
+    cancelled = time.time()
+    await asyncio.sleep(0.2)  # the members train on a moment (they learn of the cancel at their next poll)
+    window = {"window_start": cancelled + 0.05, "window_end": time.time()}
+    ca, cb = claim(a, job_id, 5, **window), claim(b, job_id, 5, **window)
+    first = await report(alice, a, job_id, [ca, cb], epoch=5)
+    second = await report(alice, b, job_id, [cb, ca], epoch=5)
+    assert {c["status"] for c in first["claims"] + second["claims"]} == {"rejected"}
+    statement = await wait_settled(alice, job_id)
+    assert statement["paid"] == 0.0 and statement["refunded"] == 10.0
+    assert {r["flagged"] for r in statement["nodes"]} == {0}  # late work is not a lie, just not the job's
+
+
+def test_billable_time_is_only_time_inside_the_nodes_assignments():
+    from gpuswarm.coordinator.db import Contribution
+    from gpuswarm.coordinator.ledger import billable_seconds
+
+    c = Contribution(window_start=100.0, window_end=200.0, received_at=250.0)
+    assert billable_seconds(c, -float("inf"), [(0.0, float("inf"))]) == 100.0
+    assert billable_seconds(c, -float("inf"), [(120.0, 150.0), (170.0, float("inf"))]) == 60.0  # lost, re-matched
+    assert billable_seconds(c, 180.0, [(120.0, 150.0), (170.0, float("inf"))]) == 20.0  # paid up to 180 already
+    assert billable_seconds(c, -float("inf"), [(0.0, 90.0)]) == 0.0  # it ended before the window
+    assert billable_seconds(c, -float("inf"), []) == 0.0
+    late = Contribution(window_start=100.0, window_end=200.0, received_at=150.0)  # the end is cut at receipt
+    assert billable_seconds(late, -float("inf"), [(0.0, float("inf"))]) == 50.0
+
+
+async def test_a_peer_two_members_name_as_an_outlier_is_banned_and_unpaid(alice):
+    a, b, c = [await register_priced(alice, 1.0) for _ in range(3)]
+    job_id = await submit(alice, min_nodes=3, max_nodes=3, budget=10.0, max_price_per_gpu_hour=5.0)
+    for n in (a, b, c):
+        await wait_for_assignment(alice, n, job_id)
+    await asyncio.sleep(1.2)
+    now = time.time()
+    def claims_of(epoch: int, start: float, end: float) -> dict:
+        return {n.node_id: claim(n, job_id, epoch, peer_id=f"peer-{i}", window_start=start, window_end=end)
+                for i, n in enumerate((a, b, c))}
+
+    async def round_of(reporter, suspects, epoch=1):
+        mine = claims[epoch]
+        body = round_report(reporter, job_id, [mine[reporter.node_id]] + [v for k, v in mine.items()
+                                                                          if k != reporter.node_id], epoch=epoch)
+        body = signed(reporter, "round_report", body["payload"] | {"suspects": suspects})
+        response = await alice.post("/v1/rounds", json=body)
+        assert response.status == 201, await response.text()
+        return {x["node_id"]: x["status"] for x in (await response.json())["claims"]}
+
+    # Round 0 looked clean to everyone: c is credited and paid for it. Round 1's reducers clip c.
+    claims = {0: claims_of(0, now - 1.0, now - 0.5), 1: claims_of(1, now - 0.5, now)}  # after the assignments
+    assert (await round_of(a, [], epoch=0))[c.node_id] == "credited"
+    paid_before = (await get(alice, f"/v1/nodes/{c.node_id}/statement"))["balance"]
+    assert paid_before > 0
+    first = await round_of(a, ["peer-2"])
+    assert first[c.node_id] == "pending"  # a vouches for b, not for the outlier
+    detail = await get(alice, f"/v1/jobs/{job_id}")
+    assert {x["node_id"]: x["state"] for x in detail["assignments"]}[c.node_id] == "active"  # one name: no ban
+    await round_of(b, ["peer-2", "peer-unknown"])
+    await round_of(c, ["peer-0"])  # the outlier names an honest member back: one voice, no ban
+    detail = await get(alice, f"/v1/jobs/{job_id}")
+    states = {x["node_id"]: x["state"] for x in detail["assignments"]}
+    assert states == {a.node_id: "active", b.node_id: "active", c.node_id: "banned"}
+    assert any("banned" in e["message"] for e in detail["events"])
+    await asyncio.sleep(0.6)  # a few ticks: the matcher does not give the job back to the banned node
+    assert {x["node_id"]: x["state"] for x in (await get(alice, f"/v1/jobs/{job_id}"))["assignments"]} == states
+    await alice.post(f"/v1/jobs/{job_id}/cancel")
+    by_node = rows(await wait_settled(alice, job_id))
+    assert by_node[c.node_id]["paid"] == 0.0 and by_node[c.node_id]["flagged"] >= 1
+    assert (await get(alice, f"/v1/nodes/{c.node_id}/statement"))["balance"] == 0.0  # round 0's pay forfeited
+    assert by_node[a.node_id]["paid"] > 0 and by_node[b.node_id]["paid"] > 0
+    assert by_node[a.node_id]["flagged"] == 0 and by_node[b.node_id]["flagged"] == 0

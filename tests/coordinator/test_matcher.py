@@ -121,6 +121,15 @@ def test_custom_code_jobs_go_only_to_nodes_that_opted_in():
     assert run([job("j3", code=CODE)], [node("plain"), node("gpu-plain", gpu())]) == []
 
 
+def test_federated_jobs_go_only_to_nodes_holding_their_dataset():
+    holds = Resources(cpu_cores=4, ram_gb=8, custom_code=True, datasets=["clinic-a", "shared"])
+    other = Resources(cpu_cores=4, ram_gb=8, custom_code=True, datasets=["clinic-b"])
+    nodes = [node("a", holds), node("b", other), node("none", Resources(cpu_cores=4, ram_gb=8, custom_code=True))]
+    assert by_job(run([job("j1", code=CODE, local_dataset="clinic-a", max_nodes=3)], nodes)) == {"j1": ["a"]}
+    assert run([job("j2", code=CODE, local_dataset="clinic-c", max_nodes=3)], nodes) == []
+    assert sorted(by_job(run([job("j3", code=CODE, max_nodes=3)], nodes))["j3"]) == ["a", "b", "none"]
+
+
 def test_price_cap():
     nodes = [node("cheap", price=1.0), node("exact", price=2.0), node("pricey", price=2.01)]
     assert sorted(by_job(run([job("j1", max_nodes=3, max_price_per_gpu_hour=2.0)], nodes))["j1"]) == ["cheap", "exact"]
@@ -342,7 +351,8 @@ def reference(jobs, nodes, now=NOW, liveness=LIVE):
         want = min(spec.max_nodes - current, len(spare))
         if want <= 0:
             continue
-        cands = [n for n in live if free[n.id] >= spec.gpus_per_node and n.id not in j.members and eligible(n, spec)]
+        cands = [n for n in live if free[n.id] >= spec.gpus_per_node and n.id not in j.members | j.excluded
+                 and eligible(n, spec)]
         cands.sort(key=lambda n: (-(node_score(n, median) + rtt_bonus(mean_rtt_ms(n, j.members, by_id))), n.id))
         need = max(spec.min_nodes - current, 1) if j.state == JobState.PENDING else 1
         if len(cands) < need:
@@ -357,6 +367,7 @@ def reference(jobs, nodes, now=NOW, liveness=LIVE):
 
 MODELS = ["A100", "a100", "RTX4090", "T4"]
 PRICES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0]
+DATASETS = ["clinic-a", "clinic-b", "shared"]
 
 
 @st.composite
@@ -368,9 +379,11 @@ def markets(draw, max_nodes=14, max_jobs=7):
             gpus = draw(st.lists(st.builds(GPUInfo, model=st.sampled_from(MODELS),
                                            memory_gb=st.sampled_from([8.0, 16.0, 24.0, 40.0, 80.0]),
                                            count=st.integers(1, 4)), min_size=1, max_size=2))
-            resources = Resources(cpu_cores=8, ram_gb=32, gpus=gpus, custom_code=draw(st.booleans()))
+            resources = Resources(cpu_cores=8, ram_gb=32, gpus=gpus, custom_code=draw(st.booleans()),
+                                  datasets=draw(st.lists(st.sampled_from(DATASETS), max_size=2, unique=True)))
         else:
-            resources = Resources(cpu_cores=4, ram_gb=8, custom_code=draw(st.booleans()))
+            resources = Resources(cpu_cores=4, ram_gb=8, custom_code=draw(st.booleans()),
+                                  datasets=draw(st.lists(st.sampled_from(DATASETS), max_size=2, unique=True)))
         cap = resources.gpu_count or 1
         others = [o for o in ids if o != nid]
         rtt = draw(st.dictionaries(st.sampled_from(others), st.sampled_from([1.0, 10.0, 50.0, 400.0]), max_size=4)
@@ -390,7 +403,9 @@ def markets(draw, max_nodes=14, max_jobs=7):
         if state == JobState.RUNNING and ids:
             members = frozenset(draw(st.lists(st.sampled_from(ids), max_size=max_n, unique=True)))
             shards = frozenset(draw(st.permutations(range(max_n)))[:len(members)])
-        runs = {"code": CODE} if draw(st.sampled_from([False, False, True])) else {"workload": "digits-mlp"}
+        runs = draw(st.sampled_from([{"workload": "digits-mlp"}, {"workload": "digits-mlp"}, {"code": CODE},
+                                     {"code": CODE, "local_dataset": DATASETS[0]},
+                                     {"code": CODE, "local_dataset": DATASETS[1]}]))
         spec = JobSpec.model_validate(runs | {
             "max_nodes": max_n, "min_nodes": draw(st.integers(1, max_n)),
             "gpus_per_node": draw(st.sampled_from([1, 1, 1, 2, 3])),
@@ -401,7 +416,9 @@ def markets(draw, max_nodes=14, max_jobs=7):
                 "allow_cpu": draw(st.booleans()), "verified_only": draw(st.sampled_from([False, False, True]))}})
         jobs.append(JobView(id=f"j{k}", spec=spec, state=state, created_at=draw(st.sampled_from([0.0, 1.0, 2.0])),
                             members=members, active_shards=shards,
-                            funded=draw(st.sampled_from([True, True, True, False]))))
+                            funded=draw(st.sampled_from([True, True, True, False])),
+                            excluded=frozenset(draw(st.lists(st.sampled_from([n.id for n in nodes]), max_size=3))
+                                               if nodes else ())))
     return jobs, nodes
 
 
@@ -434,10 +451,11 @@ def test_property_every_match_meets_the_jobs_requirements_and_price(market):
         assert meets_requirements(n.resources, j.spec.requirements, j.spec.gpus_per_node)
         assert n.verified or not j.spec.requirements.verified_only
         assert n.resources.custom_code or not j.spec.custom_code
+        assert j.spec.local_dataset is None or j.spec.local_dataset in n.resources.datasets
         assert m.price_per_gpu_hour == n.price_per_gpu_hour
         assert j.spec.max_price_per_gpu_hour is None or m.price_per_gpu_hour <= j.spec.max_price_per_gpu_hour
         assert m.gpus == j.spec.gpus_per_node
-        assert m.node_id not in j.members
+        assert m.node_id not in j.members and m.node_id not in j.excluded
 
 
 @PROPERTY
@@ -480,7 +498,7 @@ def test_property_higher_bids_are_served_first(market):
         spec = a.spec
         current = max(len(a.members), len(a.active_shards))
         want = min(spec.max_nodes - current, spec.max_nodes - len(a.active_shards))
-        available = {n.id for n in live if free[n.id] >= spec.gpus_per_node and n.id not in a.members
+        available = {n.id for n in live if free[n.id] >= spec.gpus_per_node and n.id not in a.members | a.excluded
                      and eligible(n, spec)}
         mine = {m.node_id for m in got[a.id]}
         assert mine <= available

@@ -116,3 +116,52 @@ async def test_bad_mesh_registration_is_refused_and_changes_nothing(client, mesh
     identity = new_identity()
     await rejected(client, "POST", "/v1/nodes/register", 422, "invalid",
                    json=signed(identity, "register", registration(identity, mesh=mesh)))
+
+
+async def test_a_pair_reported_unreachable_gets_a_relay_that_both_ends_and_the_relay_are_told(client):
+    a, b, r = MeshNode(), MeshNode(), MeshNode()
+    versions = {}
+    for n in (a, b, r):
+        versions[n] = (await n.register(client))["version"]
+
+    async def heartbeat(node: MeshNode, **fields) -> None:
+        payload = {"node_id": node.identity.node_id, "state": "idle", **fields}
+        response = await client.post("/v1/nodes/heartbeat", json=signed(node.identity, "heartbeat", payload))
+        assert response.status == 200, await response.text()
+
+    async def config_of(node: MeshNode, want) -> dict:
+        for _ in range(50):  # the leader's tick plans relays within a loop interval (0.2 s)
+            body = await (await node.poll(client, -1)).json()
+            if want(body):
+                return body
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"no such mesh config: {body}")
+
+    ids = {n: n.identity.node_id for n in (a, b, r)}
+    await heartbeat(a, peer_rtt_ms={ids[r]: 4.0}, unreachable_peers=[ids[b]])
+    await heartbeat(b, peer_rtt_ms={ids[r]: 6.0}, unreachable_peers=[ids[a]])
+
+    def via(body: dict, node: MeshNode) -> str | None:
+        return {p["node_id"]: p.get("via") for p in body["peers"]}[ids[node]]
+
+    body_a = await config_of(a, lambda body: via(body, b) == ids[r])
+    assert via(body_a, r) is None and not body_a["forward"]
+    body_b = await config_of(b, lambda body: via(body, a) == ids[r])
+    assert not body_b["forward"]
+    body_r = await config_of(r, lambda body: body["forward"])
+    assert via(body_r, a) is None and via(body_r, b) is None
+
+    # The direct path works again: the relay goes, and the relay stops forwarding.
+    await heartbeat(a, peer_rtt_ms={ids[r]: 4.0, ids[b]: 2.0})
+    await heartbeat(b, peer_rtt_ms={ids[r]: 6.0, ids[a]: 2.0})
+    await config_of(a, lambda body: via(body, b) is None)
+    await config_of(r, lambda body: not body["forward"])
+
+
+async def test_unreachable_peers_are_bounded_and_typed(client):
+    a = MeshNode()
+    await a.register(client)
+    node = a.identity.node_id
+    for bad in (["x"], ["0" * 16] * 257, "0" * 16, [1]):
+        payload = {"node_id": node, "state": "idle", "unreachable_peers": bad}
+        await rejected(client, "POST", "/v1/nodes/heartbeat", 422, None, json=signed(a.identity, "heartbeat", payload))

@@ -53,6 +53,7 @@ def node_routes(client: TestClient) -> set[tuple[str, str]]:
 # A freshly signed, otherwise valid request per node route: (node, job id, challenge id) -> (path, request kwargs).
 Request = Callable[[Identity, str, str], tuple[str, dict]]
 MESH = {"public_key": KeyPair.generate().public_key, "listen_port": 51820}
+AUDIT = "a-0123456789ab"
 REQUESTS: dict[tuple[str, str], Request] = {
     ("POST", "/v1/nodes/register"): lambda node, job, ch: (
         "/v1/nodes/register", {"json": signed(node, "register", registration(node, mesh=MESH))}),
@@ -72,6 +73,16 @@ REQUESTS: dict[tuple[str, str], Request] = {
     ("GET", "/v1/jobs/{job_id}/blobs/{sha256}"): lambda node, job, ch: (
         f"/v1/jobs/{job}/blobs/{'0' * 64}", {"headers": {ENVELOPE_HEADER: json.dumps(signed(node, "fetch", {
             "job_id": job, "node_id": node.node_id, "sha256": "0" * 64}))}}),
+    ("PUT", "/v1/audits/{audit_id}/evidence"): lambda node, job, ch: (
+        f"/v1/audits/{AUDIT}/evidence", {"data": b"evidence", "headers": {ENVELOPE_HEADER: json.dumps(signed(
+            node, "evidence", {"audit_id": AUDIT, "node_id": node.node_id, "size": 8,
+                               "sha256": hashlib.sha256(b"evidence").hexdigest()}))}}),
+    ("GET", "/v1/audits/{audit_id}/evidence"): lambda node, job, ch: (
+        f"/v1/audits/{AUDIT}/evidence", {"headers": {ENVELOPE_HEADER: json.dumps(signed(
+            node, "fetch_evidence", {"audit_id": AUDIT, "node_id": node.node_id}))}}),
+    ("POST", "/v1/audits/{audit_id}/verdict"): lambda node, job, ch: (
+        f"/v1/audits/{AUDIT}/verdict", {"json": signed(node, "verdict", {
+            "audit_id": AUDIT, "node_id": node.node_id, "steps": 1, "samples": 1, "passed": False})}),
     ("POST", "/v1/challenges"): lambda node, job, ch: (
         "/v1/challenges", {"json": signed(node, "challenge_start", {"node_id": node.node_id})}),
     ("POST", "/v1/challenges/{challenge_id}/commit"): lambda node, job, ch: (

@@ -213,6 +213,25 @@ async def test_points_appear_once_per_advancing_step(alice, pair):
     assert body["state"] == "cancelled" and steps(body) == [0, 1, 3, 4]
 
 
+async def test_progress_runs_ahead_of_the_attested_rounds_by_at_most_a_margin(alice, pair):
+    """A member once put a job at step 2**53, and honest progress was ignored from then on."""
+    from gpuswarm.coordinator.heartbeats import PROGRESS_MARGIN
+    from test_api import claim, round_report
+
+    a, b, job_id = pair
+    await beat(alice, a, progress(job_id, 2**53))
+    await beat(alice, a, progress(job_id, PROGRESS_MARGIN + 1))
+    assert steps(await get(alice, f"/v1/jobs/{job_id}/progress")) == []
+    await beat(alice, b, progress(job_id, 3))  # honest progress still moves the job
+    # Rounds attested up to epoch 20: the job may now move up to 20 + the margin.
+    claims = [claim(n, job_id, 20) for n in (a, b)]
+    response = await alice.post("/v1/rounds", json=round_report(b, job_id, claims[::-1], epoch=20))
+    assert response.status == 201, await response.text()
+    await beat(alice, b, progress(job_id, 20 + PROGRESS_MARGIN))
+    await beat(alice, a, progress(job_id, 2**53))
+    assert steps(await get(alice, f"/v1/jobs/{job_id}/progress")) == [3, 20 + PROGRESS_MARGIN]
+
+
 async def test_a_node_outside_the_job_adds_no_point(alice, pair):
     _, _, job_id = pair
     stranger = await register(alice)

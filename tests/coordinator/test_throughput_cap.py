@@ -1,7 +1,8 @@
-"""ledger.throughput_cap, the pure rule: a claim is capped at THROUGHPUT_SLACK times its peers' median rate."""
+"""ledger.throughput_cap, the pure rule (a claim is capped at THROUGHPUT_SLACK times its peers' median rate), and
+the speeds it scales by (`stable_gflops`)."""
 
-from gpuswarm.coordinator.db import Contribution
-from gpuswarm.coordinator.ledger import THROUGHPUT_SLACK, throughput_cap
+from gpuswarm.coordinator.db import Base, Challenge, Contribution, Node, make_engine, sessionmaker
+from gpuswarm.coordinator.ledger import THROUGHPUT_SLACK, stable_gflops, throughput_cap
 from gpuswarm.proto.models import JobSpec
 
 SPEC = JobSpec.model_validate({"workload": "digits-mlp"})
@@ -29,10 +30,40 @@ def test_faster_gpus_scale_the_cap_and_unknown_windows_count_as_equal():
     assert throughput_cap(mine, [peer], {"a": 20.0, "b": 10.0}, SPEC, {1: 0.0, 2: 5.0}) == int(200 * THROUGHPUT_SLACK)
 
 
+def test_without_slack_the_cap_is_the_median_share_and_never_below_one_round():
+    mine, peers = contribution(1, "a", 0), [contribution(2, "b", 1000), contribution(3, "c", 3000)]
+    assert throughput_cap(mine, peers, {}, SPEC, slack=1.0) == 2000
+    one_round = SPEC.hyperparameters["target_batch_size"] + SPEC.hyperparameters["batch_size"]
+    assert throughput_cap(mine, [contribution(2, "b", 10)], {}, SPEC, slack=1.0) == one_round
+
+
 def test_a_slower_measured_gpu_never_lowers_the_cap():
-    # One challenge's GFLOP/s is noisy (2-38 on one machine): a node measured slower than its peer keeps the
-    # peer's cap, and only a faster measure raises its own.
+    # GFLOP/s are noisy (one challenge measured 2-38 on one machine): a node measured slower than its peer keeps
+    # the peer's cap, and only a faster measure raises its own.
     slow, fast = contribution(1, "a", 0), contribution(2, "b", 100)
     assert throughput_cap(slow, [fast], {"a": 4.0, "b": 35.0}, SPEC) == int(100 * THROUGHPUT_SLACK)
     assert throughput_cap(fast, [contribution(1, "a", 100)], {"a": 4.0, "b": 35.0}, SPEC) == \
         int(100 * 35.0 / 4.0 * THROUGHPUT_SLACK)
+
+
+async def test_a_nodes_speed_is_the_median_of_its_recent_passed_challenges(tmp_path):
+    engine = make_engine(f"sqlite+aiosqlite:///{tmp_path / 'speed.db'}")
+    async with engine.begin() as connection:
+        await connection.run_sync(Base.metadata.create_all)
+    sessions = sessionmaker(engine)
+    async with sessions.begin() as session:
+        for node in ("a", "b"):
+            session.add(Node(id=node, public_key=f"key-{node}", resources={}, software_version="t", endpoints=[],
+                             state="idle", registered_at=0.0, last_seen=0.0))
+        await session.flush()
+        # Node a: an old outlier, then five recent measures (one wild) and a failed one; b never passed.
+        measures = [(1.0, "passed", 400.0), (2.0, "passed", 10.0), (3.0, "passed", 12.0), (4.0, "passed", 38.8),
+                    (5.0, "passed", 11.0), (6.0, "passed", 2.2), (7.0, "failed", 900.0)]
+        for i, (at, state, gflops) in enumerate(measures):
+            session.add(Challenge(id=f"c-{i}", node_id="a", state=state, device_class="cpu", n=64, seed="0" * 32,
+                                  time_limit=1.0, issued_at=at, finished_at=at, measured_gflops=gflops))
+        session.add(Challenge(id="c-b", node_id="b", state="failed", device_class="cpu", n=64, seed="0" * 32,
+                              time_limit=1.0, issued_at=1.0, finished_at=1.0, measured_gflops=50.0))
+    async with sessions() as session:
+        assert await stable_gflops(session, ["a", "b"]) == {"a": 11.0, "b": None}
+    await engine.dispose()

@@ -1,9 +1,11 @@
 """`gpuswarm dht ...` against a real hivemind DHT: a bootstrap peer holding a real signed advert (stored the way
-node/advertiser.py stores it) and real progress records published by a running hivemind ProgressTracker. The CLI
-runs as a subprocess, exactly as an operator runs it."""
+node/advertiser.py stores it) and real progress records published by a running hivemind ProgressTracker, each with
+the proof every record needs (certs from the real coordinator's authority key). The CLI runs as a subprocess,
+exactly as an operator runs it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,27 +28,51 @@ def gpuswarm(*args: str, timeout: float = 40) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=dict(os.environ, COLUMNS="200"))
 
 
+def authority_key(lab: LocalSwarm):
+    """The coordinator's authority key, read from its database: it stands in for registration and an assignment,
+    which is how a node gets its certs."""
+    import base64
+    import sqlite3
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    with contextlib.closing(sqlite3.connect(lab.root / "coordinator" / "coordinator.db")) as db:
+        (raw,) = db.execute("SELECT private_key FROM authority_keys").fetchone()
+    return Ed25519PrivateKey.from_private_bytes(base64.b64decode(raw))
+
+
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     import hivemind
-    from gpuswarm.dht.validators import NodeAdvertValidator
+    from gpuswarm.dht.validators import validators
     from gpuswarm.node.identity import load_or_create
-    from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY, job_run_id
+    from gpuswarm.proto.dht import ADVERT_KIND, NODE_SCOPE, NODES_KEY, job_run_id
     from gpuswarm.proto.models import GPUInfo, NodeAdvert, NodeState, Resources
+    from gpuswarm.proto.signing import public_key_b64
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.optim.progress_tracker import ProgressTracker
     from hivemind.utils import get_dht_time
+    from test_record_proofs import writer
 
     # A real coordinator process: its DHT peer is the bootstrap peer, and `--coordinator` reads it from /v1/dht.
     lab = LocalSwarm(tmp_path_factory.mktemp("lab"))
     lab.start_coordinator()
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                       initial_peers=lab.client.request("GET", "/v1/dht")["initial_peers"],
-                       record_validators=[NodeAdvertValidator(), RSASignatureValidator()])
+    key = authority_key(lab)
+    authority = public_key_b64(key.public_key())
+    assert lab.client.request("GET", "/v1/dht")["authority"] == authority
+    identity = load_or_create(tmp_path_factory.mktemp("node"))
+    bootstrap = lab.client.request("GET", "/v1/dht")["initial_peers"]
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=bootstrap,
+                       record_validators=validators(authority, writer(identity, NODE_SCOPE, [identity.node_id],
+                                                                      authority=key)))
+    # The training process's peer: a proof for the run, under its hivemind RSA key.
+    trainer = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=bootstrap,
+                           record_validators=validators(authority, writer(
+                               identity, job_run_id(JOB_ID), [RSASignatureValidator().local_public_key],
+                               authority=key)))
     tracker = None
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
-        identity = load_or_create(tmp_path_factory.mktemp("node"))
         expires = get_dht_time() + 120
         advert = NodeAdvert(node_id=identity.node_id, state=NodeState.IDLE, software_version="test",
                             resources=Resources(gpus=[GPUInfo(model="H100", memory_gb=80, count=2)], cpu_cores=16,
@@ -55,7 +81,7 @@ def swarm(tmp_path_factory):
         envelope = identity.sign(ADVERT_KIND, advert.model_dump(mode="json")).model_dump(mode="json")
         assert dht.store(NODES_KEY, subkey=identity.node_id, value=envelope, expiration_time=expires)
         # What a training process's hivemind.Optimizer runs: it signs and publishes this peer's progress.
-        tracker = ProgressTracker(dht, prefix=job_run_id(JOB_ID), target_batch_size=1000, start=True,
+        tracker = ProgressTracker(trainer, prefix=job_run_id(JOB_ID), target_batch_size=1000, start=True,
                                   min_refresh_period=0.2, max_refresh_period=0.5)
         tracker.report_local_progress(local_epoch=0, samples_accumulated=96)
         deadline = time.monotonic() + 20
@@ -63,10 +89,12 @@ def swarm(tmp_path_factory):
             if time.monotonic() > deadline:
                 raise TimeoutError("the progress tracker published nothing")
             time.sleep(0.2)
-        yield {"maddrs": maddrs, "node_id": identity.node_id, "peer_id": str(dht.peer_id), "url": lab.url}
+        yield {"maddrs": maddrs, "node_id": identity.node_id, "peer_id": str(dht.peer_id), "url": lab.url,
+               "trainer_peer_id": str(trainer.peer_id)}
     finally:
         if tracker is not None:
             tracker.shutdown(timeout=5)
+        trainer.shutdown()
         dht.shutdown()
         lab.stop()
 
@@ -84,6 +112,7 @@ def test_nodes_shows_the_verified_advert(swarm):
     (row,) = rows
     assert row["node_id"] == swarm["node_id"] and row["state"] == "idle"
     assert row["signature"] == "ed25519-verified"
+    assert row["registered"] is None  # without --coordinator, the CLI has no key to check the proof against
     assert row["resources"]["gpus"] == [{"model": "H100", "memory_gb": 80.0, "count": 2}]
     assert row["price_per_gpu_hour"] == 1.25 and row["maddrs"] == swarm["maddrs"]
     assert row["dht_expiration"] > time.time() + 60
@@ -93,7 +122,7 @@ def test_progress_decodes_the_trackers_signed_record(swarm):
     out = run_json(swarm, "progress", JOB_ID)
     assert out["key"] == "gpuswarm_j_0123456789ab_progress"
     (peer,) = out["peers"]
-    assert peer["peer_id"] == swarm["peer_id"]
+    assert peer["peer_id"] == swarm["trainer_peer_id"]
     assert peer["epoch"] == 0 and peer["samples_accumulated"] == 96 and peer["client_mode"] is False
     assert peer["signature"] == "rsa-verified" and peer["owner"].startswith("rsa-owner:")
 
@@ -110,6 +139,39 @@ def test_get_and_ls(swarm):
     assert "gpuswarm_j_0123456789ab.members" in listing["looked_up"]  # looked up, but nobody stored it
     assert {k["key"] for k in listing["keys"]} == {"gpuswarm.nodes", "gpuswarm_j_0123456789ab_progress"}
     assert listing["unnamed_local_records"] == []
+
+
+@pytest.mark.timeout(120)
+def test_nodes_marks_an_advert_from_an_unregistered_key(swarm):
+    """A plain hivemind client stores a self-signed advert of a node the coordinator never registered, a year
+    ahead. Its own peer keeps it; `dht nodes --coordinator` finds it there and says it is not registered."""
+    import hivemind
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from gpuswarm.node.identity import Identity
+    from gpuswarm.proto.dht import ADVERT_KIND, NODES_KEY
+    from gpuswarm.proto.models import NodeAdvert, NodeState, Resources
+    from hivemind.utils import get_dht_time
+
+    stranger = Identity(Ed25519PrivateKey.generate())
+    far = get_dht_time() + 365 * 86400
+    advert = NodeAdvert(node_id=stranger.node_id, state=NodeState.IDLE, software_version="evil",
+                        resources=Resources(cpu_cores=1, ram_gb=1), expires_at=far)
+    attacker = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=swarm["maddrs"])
+    try:
+        attacker.store(NODES_KEY, subkey=stranger.node_id, expiration_time=far,
+                       value=stranger.sign(ADVERT_KIND, advert.model_dump(mode="json")).model_dump(mode="json"))
+        peers = [x for m in [str(m) for m in attacker.get_visible_maddrs()] for x in ("--initial-peer", m)]
+        result = gpuswarm("nodes", *peers, "--coordinator", swarm["url"], "--json")
+        assert result.returncode == 0, result.stderr
+        rows = {r["node_id"]: r for r in json.loads(result.stdout)}
+        assert rows[swarm["node_id"]]["registered"] is True
+        forged = rows[stranger.node_id]
+        assert forged["signature"] == "ed25519-verified" and forged["registered"] is False
+        assert "no proof from a registered node" in forged["writer"]
+        table = gpuswarm("nodes", *peers, "--coordinator", swarm["url"])
+        assert "NO" in table.stdout and "yes" in table.stdout, table.stdout
+    finally:
+        attacker.shutdown()
 
 
 def test_key_names_ls_can_know():

@@ -8,7 +8,6 @@ to its target, and then checks the books against the nodes' own records (tests/f
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 
@@ -26,15 +25,8 @@ NODE_TIMEOUT = 10.0
 
 
 @pytest.fixture
-def lab(tmp_path, artifacts_dir, request):
-    swarm = LocalSwarm(tmp_path / "swarm", node_timeout=NODE_TIMEOUT)
-    try:
-        yield swarm
-    finally:
-        swarm.stop()
-        report_ = getattr(request.node, "rep_call", None)
-        if report_ is None or report_.failed:
-            shutil.copytree(swarm.logs, artifacts_dir / request.node.name, dirs_exist_ok=True)
+def lab(swarm_lab) -> LocalSwarm:
+    return swarm_lab(node_timeout=NODE_TIMEOUT)
 
 
 def start(lab: LocalSwarm, nodes: int) -> str:

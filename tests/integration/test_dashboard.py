@@ -1,8 +1,9 @@
 """The dashboard in a real headless Chromium, against a real coordinator and two node daemons training digits-mlp.
 
-The browser signs in with the owner's token, finds the jobs, opens one and watches its accuracy curve grow without a
-reload, reads one node row per registered node, shows a hostile job name as text, reports a refused token, and puts
-up its error banner once the coordinator is gone. Screenshots go to test-artifacts/dashboard/.
+The browser signs in with the owner's token, finds the jobs, opens one and watches its accuracy curve (a uPlot
+chart, read through its data) grow without a reload, reads one node row per registered node, shows a hostile job
+name as text, reports a refused token, and puts up its error banner once the coordinator is gone. Screenshots go to
+test-artifacts/dashboard/.
 
 Chromium and chromedriver come from the system (Debian: `apt-get install chromium chromium-driver`). Without them
 the test skips with the reason, unless GPUSWARM_REQUIRE_BROWSER=1 (CI), which makes that a failure.
@@ -88,19 +89,13 @@ def browser(artifacts_dir: Path, request) -> Iterator:
 
 
 @pytest.fixture
-def swarm(tmp_path, artifacts_dir, request) -> Iterator[LocalSwarm]:
-    lab = LocalSwarm(tmp_path / "swarm")
-    try:
-        lab.start_coordinator()
-        for i in range(2):
-            lab.start_node(i, price=0.5 + 0.1 * i)
-        lab.wait_for_nodes(2)
-        yield lab
-    finally:
-        lab.stop()
-        report = getattr(request.node, "rep_call", None)
-        if report is None or report.failed:
-            shutil.copytree(lab.logs, artifacts_dir / request.node.name, dirs_exist_ok=True)
+def swarm(swarm_lab) -> LocalSwarm:
+    lab = swarm_lab()
+    lab.start_coordinator()
+    for i in range(2):
+        lab.start_node(i, price=0.5 + 0.1 * i)
+    lab.wait_for_nodes(2)
+    return lab
 
 
 def wait_until(driver, condition, what: str, timeout: float = WAIT):
@@ -109,8 +104,24 @@ def wait_until(driver, condition, what: str, timeout: float = WAIT):
     return WebDriverWait(driver, timeout, poll_frequency=0.25).until(lambda d: condition(d), message=what)
 
 
+def chart_state(driver, name: str) -> dict:
+    """The chart data-chart=name as the page holds it, read in one go (a poll may redraw it between two reads):
+    the points in its uPlot's data, the count the page wrote beside it, its canvases and its "no data yet"."""
+    return driver.execute_script("""
+        const box = document.querySelector(`[data-chart="${arguments[0]}"]`);
+        const plot = window.gpuswarmDashboard.chart(arguments[0]);
+        return {
+            points: plot ? plot.data[1].filter(Number.isFinite).length : 0,
+            xs: plot ? plot.data[0].length : 0,
+            counted: Number(box.dataset.points),
+            canvases: box.querySelectorAll(".uplot canvas").length,
+            empty: !box.querySelector(".chart-empty").hidden,
+            legend: plot ? Array.from(box.querySelectorAll(".u-legend .u-label"), (l) => l.textContent) : [],
+        };""", name)
+
+
 def chart_points(driver, name: str) -> int:
-    return int(driver.find_element("css selector", f'svg[data-chart="{name}"]').get_attribute("data-points"))
+    return chart_state(driver, name)["points"]
 
 
 def screenshot(driver, path: Path) -> None:
@@ -179,12 +190,11 @@ def test_dashboard_shows_jobs_nodes_and_live_curves(swarm: LocalSwarm, browser, 
     wait_until(browser, lambda d: chart_points(d, "accuracy") > seen, "the accuracy curve to grow")
     assert browser.execute_script("return window.__noReload") == "still here"
 
-    for name in ("loss", "accuracy", "samples_per_second"):  # a drawn line and one dot per counted point
-        chart = browser.find_element(By.CSS_SELECTOR, f'svg[data-chart="{name}"]')
-        points = int(chart.get_attribute("data-points"))
-        assert points >= 1, name
-        assert len(chart.find_elements(By.TAG_NAME, "polyline")) == 1
-        assert len(chart.find_elements(By.TAG_NAME, "circle")) in (points, 0)  # no dots past 300 points
+    for name, label in (("loss", "loss"), ("accuracy", "accuracy"), ("samples_per_second", "samples/s")):
+        chart = chart_state(browser, name)  # one uPlot canvas, its data the points the page counted
+        assert chart["points"] >= 1 and chart["points"] == chart["xs"] == chart["counted"], (name, chart)
+        assert chart["canvases"] == 1 and not chart["empty"], (name, chart)
+        assert chart["legend"] == ["time", label], (name, chart)
     wait_until(browser, lambda d: {r.get_attribute("data-node-id") for r in d.find_elements(
         By.CSS_SELECTOR, "#members-table tbody tr")} == node_ids, "both members in the job's node table")
     assert any("assigned node" in e.text for e in browser.find_elements(By.CSS_SELECTOR, "#events li"))
@@ -203,6 +213,11 @@ def test_dashboard_shows_jobs_nodes_and_live_curves(swarm: LocalSwarm, browser, 
     wait_until(browser, lambda d: d.find_element(By.ID, "job-name").text == HOSTILE_NAME, "the hostile job's page")
     assert browser.title.startswith(HOSTILE_NAME)
     assert browser.find_elements(By.CSS_SELECTOR, "main img") == []
+    # It never ran: each chart says so.
+    for name in ("loss", "accuracy", "samples_per_second"):
+        chart = chart_state(browser, name)
+        assert chart["points"] == chart["counted"] == 0 and chart["empty"], (name, chart)
+        assert browser.find_element(By.CSS_SELECTOR, f'[data-chart="{name}"] .chart-empty').text == "no data yet"
 
     # A refused token is a clear message, not an empty list.
     browser.get(f"{swarm.url}/dashboard?interval=0.5#/")

@@ -6,7 +6,6 @@ hivemind all-reduce rounds between the nodes' training processes, to the final m
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
@@ -22,19 +21,13 @@ PRICES = [0.5, 0.6, 0.7]  # the nodes' asks, per GPU-hour
 
 
 @pytest.fixture
-def swarm(tmp_path, artifacts_dir, request):
-    lab = LocalSwarm(tmp_path / "swarm")
-    try:
-        lab.start_coordinator()
-        for i in range(3):
-            lab.start_node(i, price=PRICES[i])
-        lab.wait_for_nodes(3)
-        yield lab
-    finally:
-        lab.stop()
-        report = getattr(request.node, "rep_call", None)
-        if report is None or report.failed:  # keep the logs of a failed run for whoever reads the CI output
-            shutil.copytree(lab.logs, artifacts_dir / request.node.name, dirs_exist_ok=True)
+def swarm(swarm_lab) -> LocalSwarm:
+    lab = swarm_lab()
+    lab.start_coordinator()
+    for i in range(3):
+        lab.start_node(i, price=PRICES[i])
+    lab.wait_for_nodes(3)
+    return lab
 
 
 def wait_for_job(lab: LocalSwarm, job_id: str, timeout: float = 420.0, client=None) -> JobDetail:

@@ -79,7 +79,9 @@ async def test_the_challenger_starts_only_when_asked_and_never_raises():
 
 class AskingCoordinator(UnreachableCoordinator):
     async def heartbeat(self, heartbeat):
-        return {"ok": True, "server_time": 0.0, "challenge": True}
+        from gpuswarm.proto.api import HeartbeatAnswer
+
+        return HeartbeatAnswer(server_time=0.0, challenge=True)  # what the real client returns
 
 
 async def test_the_daemon_starts_a_challenge_when_its_heartbeat_answer_asks(tmp_path):

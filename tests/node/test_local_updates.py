@@ -1,7 +1,7 @@
 """DiLoCo's inner loop (gpuswarm.node.local_updates) against a real hivemind.Optimizer: the pseudo-gradient that
 hivemind averages is exactly anchor − inner, whichever step ends the epoch and whatever the batch sizes; two real
 peers end a round with the same parameters, the outer step of their averaged deltas; and the round-size choice
-stays in its bounds."""
+stays in its bounds, and every member of a group reads the same pace from the group's claims."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from gpuswarm.node.local_updates import (
     LocalUpdates,
     choose_inner_steps,
     first_round_estimate,
+    group_pace,
 )
 from gpuswarm.proto.trainer import OptimizerSpec
 from hivemind.utils.crypto import RSAPrivateKey
@@ -165,3 +166,35 @@ def test_the_first_round_estimate_grows_with_the_model_and_the_members():
     assert first_round_estimate(1_000_000, 3.0, 1) == 3.0  # alone: no transfer
     assert first_round_estimate(1_000_000, 3.0, 4) > first_round_estimate(1_000_000, 3.0, 2) > 3.0
     assert first_round_estimate(10_000_000, 3.0, 2) > first_round_estimate(1_000_000, 3.0, 2)
+
+
+claim_payloads = st.lists(st.fixed_dictionaries({
+    "steps": st.integers(0, 10_000), "compute_seconds": st.floats(0, 1e4),
+    "window_start": st.floats(0, 1e6), "window_end": st.floats(0, 1e6)}), max_size=8)
+
+
+@given(claims=claim_payloads, order=st.randoms())
+def test_every_member_reads_the_same_pace_from_its_group(claims, order):
+    shuffled = list(claims)
+    order.shuffle(shuffled)
+    assert group_pace(shuffled) == group_pace(claims)  # members hold the claims in different orders
+
+
+@given(honest=claim_payloads.filter(lambda c: sum(x["steps"] > 0 and x["compute_seconds"] > 0 for x in c) >= 2),
+       steps=st.integers(1, 10_000), compute=st.floats(1e-6, 1e9))
+def test_one_liar_moves_the_step_time_no_further_than_an_honest_members(honest, steps, compute):
+    counted = [c["compute_seconds"] / c["steps"] for c in honest if c["steps"] > 0 and c["compute_seconds"] > 0]
+    step, _ = group_pace([*honest, {"steps": steps, "compute_seconds": compute, "window_start": 0.0,
+                                    "window_end": compute}])
+    assert min(counted) <= step <= max(counted)
+
+
+def test_the_pace_of_a_group_and_what_it_ignores():
+    members = [{"steps": 100, "compute_seconds": 1.0, "window_start": 10.0, "window_end": 14.0},
+               {"steps": 50, "compute_seconds": 1.0, "window_start": 10.0, "window_end": 13.0},
+               {"steps": 10, "compute_seconds": 1.0, "window_start": 10.0, "window_end": 16.0}]
+    assert group_pace(members) == (0.02, 2.0)  # median seconds per step; the slowest member's idle time
+    assert group_pace([]) is None
+    assert group_pace([{"steps": 0, "compute_seconds": 1.0, "window_start": 0.0, "window_end": 1.0},
+                       {"steps": 5, "compute_seconds": float("nan"), "window_start": 0.0, "window_end": 1.0},
+                       {"steps": "5", "compute_seconds": 1.0}]) is None

@@ -279,16 +279,10 @@ def scrape(port: int) -> Samples:
 
 
 @pytest.fixture
-def lab(tmp_path, artifacts_dir, request):
-    swarm = LocalSwarm(tmp_path / "swarm")
-    try:
-        swarm.start_coordinator()
-        yield swarm
-    finally:
-        swarm.stop()
-        report = getattr(request.node, "rep_call", None)
-        if report is None or report.failed:
-            shutil.copytree(swarm.logs, artifacts_dir / request.node.name, dirs_exist_ok=True)
+def lab(swarm_lab) -> LocalSwarm:
+    swarm = swarm_lab()
+    swarm.start_coordinator()
+    return swarm
 
 
 @pytest.mark.integration

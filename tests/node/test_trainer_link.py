@@ -57,4 +57,4 @@ def test_owners_code_is_refused_where_the_node_cannot_sandbox(tmp_path, monkeypa
     with pytest.raises(OSError, match="does not run job owners' code without a sandbox: bubblewrap"):
         asyncio.run(job_runner.start(assignment))
     builtin = assignment.model_copy(update={"spec": JobSpec.model_validate({"workload": "digits-mlp"})})
-    assert "--no-sandbox" in job_runner._sandbox_args(builtin)  # a built-in still runs, unsandboxed
+    assert "--no-sandbox" in job_runner._sandbox_args(builtin.spec)  # a built-in still runs, unsandboxed

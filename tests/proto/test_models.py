@@ -321,3 +321,26 @@ def test_training_mode_defaults_to_local_updates():
     assert (options.mode, options.inner_steps, options.outer_learning_rate, options.outer_momentum,
             options.compression) == ("diloco", None, 1.0, 0.0, "fp16")
     assert spec(training={"mode": "sync", "inner_steps": 8}).training.mode == "sync"
+
+
+def test_a_federated_job_names_node_local_data_and_runs_its_own_code():
+    code = {"sha256": "a" * 64, "size": 10, "format": "tar", "entrypoint": "pkg.mod:make"}
+    job = JobSpec.model_validate({"code": code, "local_dataset": "clinic-a",
+                                  "training": {"mode": "fedavg", "local_epochs": 2}})
+    assert (job.local_dataset, job.training.mode, job.training.local_epochs) == ("clinic-a", "fedavg", 2)
+    assert job.blob_refs() == [job.code]  # the dataset is no blob: nothing of it is uploaded
+    refused = {
+        "local_dataset (the nodes' own data) goes with the job's own code and no dataset": [
+            {"workload": "digits-mlp", "local_dataset": "clinic-a"},
+            {"code": code, "local_dataset": "clinic-a",
+             "dataset": {"sha256": "b" * 64, "size": 1, "format": "file", "name": "d.npz"}}],
+        'training mode "fedavg" is for node-local data: name it in local_dataset': [
+            {"code": code, "training": {"mode": "fedavg"}}],
+        'local_epochs is for training mode "fedavg"': [
+            {"code": code, "local_dataset": "x", "training": {"local_epochs": 2}}],
+    }
+    for message, specs in refused.items():
+        for bad in specs:
+            assert problems(JobSpec, bad)[""] == message
+    assert "local_dataset" in problems(JobSpec, {"code": code, "local_dataset": "../etc"})
+    assert Resources.model_validate({"cpu_cores": 1, "ram_gb": 1}).datasets == []
