@@ -19,12 +19,8 @@ claims of its whole group, its own first. This process holds no key: the daemon 
 (`DaemonSigner`, after checking it is this node's claim for this job). A round that failed gives a "round_failed"
 event, which only the daemon's metrics count.
 
-Test-only fault injection: GPUSWARM_FAULT_INFLATE_CLAIMS=<factor> multiplies the samples and compute seconds in this
-node's OWN claims (those it shares and those it reports), to play a lying node in end-to-end tests of the ledger.
-Never set it in production; the worker logs a warning when it is set. GPUSWARM_FAULT_BYZANTINE=<factor>|nan plays a
-Byzantine peer the same way: the gradients this node shares are multiplied by the factor (e.g. -100: sign-flipped
-and huge) or set to NaN after the worker's own finite check. GPUSWARM_FAULT_LAZY=1 claims every batch without
-computing it (zero gradients): the evidence it keeps then fails a referee's replay (gpuswarm.node.evidence).
+The run's membership, this member's shard and the waits that keep members in step are `gpuswarm.node.membership`;
+the test-only fault injection (a lying, Byzantine or lazy node) is `gpuswarm.node.faults`.
 
 With `--replay EVIDENCE` the worker trains nothing: it re-computes another node's round for a referee (`referee`).
 
@@ -40,7 +36,6 @@ Run as: python -m gpuswarm.node.worker ASSIGNMENT_JSON --host ADDRESS --workdir 
 from __future__ import annotations
 
 import argparse
-import base64
 import itertools
 import json
 import logging
@@ -53,22 +48,16 @@ import time
 import zipfile
 from pathlib import Path
 
+from gpuswarm.node.faults import byzantine_fault, claim_inflation, lazy_fault, poison_outgoing_parts
+from gpuswarm.node.membership import Membership, RecordProofs, wait_for_round, wait_for_tracker
 from gpuswarm.node.trainer_link import Inputs, Settings, TrainerFailed, TrainerLink
 from gpuswarm.proto import logs
-from gpuswarm.proto.dht import MEMBERS_SUFFIX
 
 EVENT_PREFIX = "@gpuswarm "
 PARENT_PID_ENV = "GPUSWARM_PARENT_PID"
 PR_SET_PDEATHSIG = 1
-RENDEZVOUS_TIMEOUT = 60.0
-MEMBER_TTL = 20.0  # a member's record in the run's membership key lives this long unless refreshed
-MEMBER_REFRESH = 5.0
-ROUND_WAIT = 60.0  # seconds a member that took its round's share of steps waits at most for the others
 SIGN_TIMEOUT = 10.0  # seconds the daemon has to answer a "sign" request
 WORKLOAD_FAILED = 3  # exit code: the job's workload failed (its reason went out as an "error" event)
-FAULT_INFLATE_ENV = "GPUSWARM_FAULT_INFLATE_CLAIMS"
-FAULT_BYZANTINE_ENV = "GPUSWARM_FAULT_BYZANTINE"
-FAULT_LAZY_ENV = "GPUSWARM_FAULT_LAZY"
 logger = logging.getLogger("gpuswarm.worker")
 _emit_lock = threading.Lock()
 
@@ -103,43 +92,6 @@ class OutlierLog:
             except (ValueError, KeyError, TypeError):
                 continue
         return sorted(peers)[:limit]
-
-
-def byzantine_fault() -> float | None:
-    """The test-only Byzantine gradient factor (GPUSWARM_FAULT_BYZANTINE; "nan" is NaN); None when unset."""
-    raw = os.environ.get(FAULT_BYZANTINE_ENV, "").strip().lower()
-    if not raw:
-        return None
-    try:
-        factor = float(raw)
-    except ValueError:
-        raise SystemExit(f"{FAULT_BYZANTINE_ENV} must be a number or nan, not {raw!r}") from None
-    logger.warning("FAULT INJECTION (tests only): this node shares its gradients times %s", raw)
-    return factor
-
-
-def lazy_fault() -> bool:
-    """Test-only fault injection (GPUSWARM_FAULT_LAZY=1): this node claims its batches without computing them
-    (zero gradients), to play the lazy half of a colluding pair in end-to-end tests of refereed re-execution."""
-    lazy = os.environ.get(FAULT_LAZY_ENV, "").strip() == "1"
-    if lazy:
-        logger.warning("FAULT INJECTION (tests only): this node claims batches it never computes")
-    return lazy
-
-
-def claim_inflation() -> float:
-    """The test-only fault injection factor (GPUSWARM_FAULT_INFLATE_CLAIMS); 1.0 when unset."""
-    raw = os.environ.get(FAULT_INFLATE_ENV, "").strip()
-    if not raw:
-        return 1.0
-    try:
-        factor = float(raw)
-    except ValueError:
-        factor = math.nan
-    if not (math.isfinite(factor) and factor > 0):
-        raise SystemExit(f"{FAULT_INFLATE_ENV} must be a positive number, not {raw!r}")
-    logger.warning("FAULT INJECTION (tests only): this node inflates its own claims by %g", factor)
-    return factor
 
 
 class DaemonSigner:
@@ -196,146 +148,6 @@ class DaemonSigner:
         from gpuswarm.proto.signing import SignedEnvelope
 
         return SignedEnvelope.model_validate(self.request("sign", payload=payload)["envelope"])
-
-
-class RecordProofs:
-    """This training process's proof for the run's DHT records (`gpuswarm.proto.dht`): a session key of its own,
-    bound by the daemon (which holds the node's key and the coordinator's newest run ticket) to the subkeys this
-    process writes under: the node id (members), the DHT's peer id (averagers) and hivemind's RSA key (progress).
-    `refresh` asks the daemon again and hands a renewed proof to the DHT's process when one is due; without a
-    proof, no peer accepts this process's records."""
-
-    def __init__(self, dht, daemon: DaemonSigner, authority: str, node_id: str):
-        from gpuswarm.dht import hivemind_adapter
-        from gpuswarm.dht.validators import new_session_key
-        from hivemind.dht.crypto import RSASignatureValidator
-
-        self.dht, self.daemon, self.authority = dht, daemon, authority
-        self.session = new_session_key()
-        self.subkeys = [hivemind_adapter.pack(s) for s in (node_id, dht.peer_id.to_bytes(),
-                                                           RSASignatureValidator().local_public_key)]
-        self.proof = None
-
-    def refresh(self) -> None:
-        from gpuswarm.dht.validators import SwarmRecordValidator, WriterProof, renewal_due
-        from gpuswarm.proto.signing import SignedEnvelope
-
-        answer = self.daemon.request("bind", session_key=self.session[1],
-                                     subkeys=[base64.b64encode(s).decode() for s in self.subkeys])
-        cert = SignedEnvelope.model_validate(answer["cert"])
-        if renewal_due(self.proof, cert):
-            self.proof = WriterProof(cert, SignedEnvelope.model_validate(answer["binding"]), self.session[0])
-            self.dht.add_validators([SwarmRecordValidator(self.authority, self.proof)])
-
-
-class Membership:
-    """This member's record in the run's membership key, and its place among the run's live members.
-
-    Each member refreshes its own record (a short TTL), so a member that died drops out within `MEMBER_TTL`. The
-    sorted live node ids give every member its place, hence its data shard; the shards change when members come
-    and go. After the rendezvous a helper thread does the DHT calls and keeps the place current, so the training
-    thread never waits on the DHT for it (a slow lookup would hold this member back in every round)."""
-
-    def __init__(self, dht, run_id: str, node_id: str, proofs: RecordProofs | None = None, share: int | None = None):
-        self.dht, self.key, self.node_id, self.proofs = dht, run_id + MEMBERS_SUFFIX, node_id, proofs
-        # Mode "fedavg": the samples of this member's round (its own data's passes), published with its record so
-        # that every member sets the round's total alike although the members' data differ in size.
-        self.share = share
-        self._place, self._shares = (0, 1), {}
-
-    def refresh(self) -> None:
-        from hivemind.utils import get_dht_time
-
-        value = time.time() if self.share is None else [time.time(), self.share]
-        self.dht.store(self.key, subkey=self.node_id, value=value, expiration_time=get_dht_time() + MEMBER_TTL)
-
-    def members(self) -> dict[str, int | None]:
-        """The live members' ids, with the share each published (None: none)."""
-        found = self.dht.get(self.key, latest=True)
-        entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        members: dict[str, int | None] = {}
-        for subkey, entry in entries.items():
-            value = getattr(entry, "value", None)
-            share = value[1] if isinstance(value, list | tuple) and len(value) == 2 else None
-            members[str(subkey)] = share if isinstance(share, int) and 0 < share <= 2**40 else None
-        members[self.node_id] = self.share
-        return dict(sorted(members.items()))
-
-    def look(self) -> tuple[int, int]:
-        members = self.members()
-        self._place, self._shares = (list(members).index(self.node_id), len(members)), members
-        return self._place
-
-    def round_samples(self, share: int) -> int:
-        """The samples of a round across the live members, as last seen: the shares they published (`share`, this
-        member's, for any that published none)."""
-        return sum(s or share for s in self._shares.values()) if self._shares else share
-
-    def place(self) -> tuple[int, int]:
-        """(index, count): this member's place among the live members, as last seen."""
-        return self._place
-
-    def wait_for(self, min_nodes: int, stop: threading.Event) -> None:
-        """Hold training until `min_nodes` members have checked in, so a fast first node does not finish the job
-        alone before its peers arrive. A node joining a run in progress finds the others and goes straight on (and
-        then loads the current state from a peer)."""
-        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT
-        refreshed, count = 0.0, 0
-        while not stop.is_set() and time.monotonic() < deadline:
-            if time.monotonic() - refreshed >= MEMBER_REFRESH:
-                self.refresh()
-                refreshed = time.monotonic()
-            count = self.look()[1]
-            if count >= min_nodes:
-                emit("members", count=count)
-                return
-            time.sleep(0.5)
-        logger.warning("only %d of %d members arrived within %.0fs; training anyway", count, min_nodes,
-                       RENDEZVOUS_TIMEOUT)
-
-    def keep_fresh(self, stop: threading.Event) -> threading.Thread:
-        """Refresh this member's record and its place from a thread until `stop`."""
-        def loop() -> None:
-            while not stop.wait(MEMBER_REFRESH):
-                try:
-                    if self.proofs is not None:
-                        self.proofs.refresh()
-                    self.refresh()
-                    self.look()
-                except Exception as e:  # noqa: BLE001 - a DHT hiccup; the next round tries again
-                    logger.debug("membership refresh failed: %r", e)
-
-        thread = threading.Thread(target=loop, name="membership", daemon=True)
-        thread.start()
-        return thread
-
-
-def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
-    """After the first local step, hold training until hivemind's progress tracker sees `min_nodes` peers.
-
-    A node that trains before its tracker has seen the others believes it is alone and races through epochs on
-    its own, scheduling and cancelling averaging rounds in quick succession; in hivemind 1.1.12 that can leave the
-    matchmaker wedged ("another look_for_group is already in progress"), and every later round then fails. The
-    tracker publishes a peer only once it has accumulated samples, hence one step first."""
-    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT
-    while not stop.is_set() and time.monotonic() < deadline:
-        if optimizer.tracker.global_progress.num_peers >= min_nodes:
-            return
-        time.sleep(0.2)
-    logger.warning("the progress tracker saw %d of %d peers; training anyway",
-                   optimizer.tracker.global_progress.num_peers, min_nodes)
-
-
-def wait_for_round(optimizer, stop: threading.Event, limit: float = ROUND_WAIT) -> None:
-    """Local updates: this member has taken its share of the round's steps. Hold it until the round is due (the
-    tracker's sample target reached, or its deadline for stragglers passed), a round elsewhere moved the swarm's
-    epoch on, or `limit` seconds passed: a member that stepped on would claim a multiple of its waiting peers'
-    samples, and the ledger's throughput cap could not tell it from a liar."""
-    tracker, deadline = optimizer.tracker, time.monotonic() + limit
-    while not stop.is_set() and time.monotonic() < deadline:
-        if tracker.ready_to_update_epoch or tracker.global_epoch > optimizer.local_epoch:
-            return
-        time.sleep(0.05)
 
 
 def stop_reason(rule, metrics: dict[str, float], step: int, epochs: float | None, elapsed: float) -> str | None:
@@ -410,7 +222,6 @@ class SharedParams:
         import torch
 
         self.link, self.version = link, 0
-        self.byzantine = byzantine_fault()
         self.shapes = [tuple(p.shape) for p in link.hello.params]
         self.sizes = [math.prod(shape) for shape in self.shapes]
         initial = link.params.tensor.clone()
@@ -436,8 +247,6 @@ class SharedParams:
         if not torch.isfinite(self.grad_flat).all():
             raise TrainerFailed("the workload put non-finite values (NaN or inf) in the shared gradient buffer; "
                                 "nothing of this batch was shared")
-        if self.byzantine is not None:  # test-only fault injection: a Byzantine peer
-            self.grad_flat.mul_(self.byzantine)
 
     def publish(self, params=None) -> None:
         """Hand the trainer `params` (by default the swarm's, i.e. hivemind's) for its next batch."""
@@ -529,7 +338,8 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             fixed_steps = (options.local_epochs or 1) * math.ceil(hello.train_size / hello.batch_size)
         fedavg_share = fixed_steps * hello.batch_size if options.mode == "fedavg" else None
         membership = Membership(dht, a.run_id, a.node_id, proofs, fedavg_share)
-        membership.wait_for(spec.min_nodes, stop)
+        if (arrived := membership.wait_for(spec.min_nodes, stop)) is not None:
+            emit("members", count=arrived)
         membership.keep_fresh(done)
         members = membership.place()[1]
         # Mode "diloco": a round is `inner_steps` local steps on every member; until the first rounds are timed,
@@ -548,6 +358,8 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         attestor = ClaimAttestor(daemon, a.node_id, a.job_id, str(dht.peer_id), report_round,
                                  inflate=inflate, on_failed=report_failed_round)
         install_robust_reducer(str(workdir / "outliers.jsonl"))  # before hivemind forks its averagers
+        if (factor := byzantine_fault()) is not None:
+            poison_outgoing_parts(factor)
         optimizer = hivemind.Optimizer(
             dht=dht, run_id=a.run_id, target_batch_size=target,
             batch_size_per_step=hello.batch_size, params=shared.params, optimizer=outer.build,

@@ -1,9 +1,10 @@
 """A Byzantine node among four, end to end: real coordinator, node daemons and hivemind rounds on one host.
 
-Node 3 shares its gradients sign-flipped and scaled 100 times, or as NaN (test-only fault injection,
-GPUSWARM_FAULT_BYZANTINE, see gpuswarm.node.worker). Every round reduces robustly (decision 0024), so the job
-still reaches its target; each honest node's reducer names the same single peer in its `outliers.jsonl` and in
-its round reports, so the coordinator bans that node from the job; the honest nodes are paid, it is not.
+Node 3 sends the other reducers its gradients sign-flipped and scaled 100 times, or as NaN, in every round, while
+its own model stays honest (test-only fault injection, GPUSWARM_FAULT_BYZANTINE, see gpuswarm.node.faults). Every
+round reduces robustly (decision 0024), so the job still reaches its target; each honest node's reducer names the
+same single peer in its `outliers.jsonl` and in its round reports, so the coordinator bans that node from the job;
+the honest nodes are paid, it is not.
 Part of the fault suite (about 90 s a case): `scripts/test -m faults -s tests/faults/test_byzantine.py`.
 """
 

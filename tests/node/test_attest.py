@@ -24,7 +24,7 @@ from gpuswarm.node.attest import (
     collect_claims,
     key_signer,
 )
-from gpuswarm.node.worker import wait_for_tracker
+from gpuswarm.node.membership import wait_for_tracker
 from gpuswarm.proto.models import CLAIM_KIND, ContributionClaim
 from gpuswarm.proto.signing import SignedEnvelope, node_id_for, public_key_b64, sign, verify
 from hivemind.averaging.control import StepControl

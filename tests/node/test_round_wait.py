@@ -1,4 +1,4 @@
-"""`worker.wait_for_round`: a DiLoCo member that took its share of a round's steps holds until the round is due,
+"""`membership.wait_for_round`: a DiLoCo member that took its share of a round's steps holds until the round is due,
 the swarm's epoch moved on, training stops, or its limit passes. The optimizer is a stand-in with the two things
 the wait reads (its tracker's readiness and global epoch, and its own epoch): the real tracker is exercised end to
 end by tests/integration/test_local_swarm.py."""
@@ -10,7 +10,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from gpuswarm.node.worker import wait_for_round
+from gpuswarm.node.membership import wait_for_round
 
 
 def optimizer(ready: bool = False, global_epoch: int = 3, local_epoch: int = 3) -> SimpleNamespace:

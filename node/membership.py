@@ -1,0 +1,161 @@
+"""A run's membership as one training worker sees it (`gpuswarm.node.worker`): this member's signed record in the
+run's membership key and its place (hence its data shard) among the live members, the proof that lets its
+records through every peer's validators, and the waits that keep members in step: the rendezvous of `min_nodes`,
+hivemind's progress tracker seeing them, and a local-updates member holding after its share of a round.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+
+from gpuswarm.proto.dht import MEMBERS_SUFFIX
+
+RENDEZVOUS_TIMEOUT = 60.0
+MEMBER_TTL = 20.0  # a member's record in the run's membership key lives this long unless refreshed
+MEMBER_REFRESH = 5.0
+ROUND_WAIT = 60.0  # seconds a member that took its round's share of steps waits at most for the others
+logger = logging.getLogger("gpuswarm.worker")
+
+
+class RecordProofs:
+    """This training process's proof for the run's DHT records (`gpuswarm.proto.dht`): a session key of its own,
+    bound by the daemon (which holds the node's key and the coordinator's newest run ticket) to the subkeys this
+    process writes under: the node id (members), the DHT's peer id (averagers) and hivemind's RSA key (progress).
+    `refresh` asks the daemon again and hands a renewed proof to the DHT's process when one is due; without a
+    proof, no peer accepts this process's records. `daemon` is the worker's `DaemonSigner`."""
+
+    def __init__(self, dht, daemon, authority: str, node_id: str):
+        from gpuswarm.dht import hivemind_adapter
+        from gpuswarm.dht.validators import new_session_key
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        self.dht, self.daemon, self.authority = dht, daemon, authority
+        self.session = new_session_key()
+        self.subkeys = [hivemind_adapter.pack(s) for s in (node_id, dht.peer_id.to_bytes(),
+                                                           RSASignatureValidator().local_public_key)]
+        self.proof = None
+
+    def refresh(self) -> None:
+        from gpuswarm.dht.validators import SwarmRecordValidator, WriterProof, renewal_due
+        from gpuswarm.proto.signing import SignedEnvelope
+
+        answer = self.daemon.request("bind", session_key=self.session[1],
+                                     subkeys=[base64.b64encode(s).decode() for s in self.subkeys])
+        cert = SignedEnvelope.model_validate(answer["cert"])
+        if renewal_due(self.proof, cert):
+            self.proof = WriterProof(cert, SignedEnvelope.model_validate(answer["binding"]), self.session[0])
+            self.dht.add_validators([SwarmRecordValidator(self.authority, self.proof)])
+
+
+class Membership:
+    """This member's record in the run's membership key, and its place among the run's live members.
+
+    Each member refreshes its own record (a short TTL), so a member that died drops out within `MEMBER_TTL`. The
+    sorted live node ids give every member its place, hence its data shard; the shards change when members come
+    and go. After the rendezvous a helper thread does the DHT calls and keeps the place current, so the training
+    thread never waits on the DHT for it (a slow lookup would hold this member back in every round)."""
+
+    def __init__(self, dht, run_id: str, node_id: str, proofs: RecordProofs | None = None, share: int | None = None):
+        self.dht, self.key, self.node_id, self.proofs = dht, run_id + MEMBERS_SUFFIX, node_id, proofs
+        # Mode "fedavg": the samples of this member's round (its own data's passes), published with its record so
+        # that every member sets the round's total alike although the members' data differ in size.
+        self.share = share
+        self._place, self._shares = (0, 1), {}
+
+    def refresh(self) -> None:
+        from hivemind.utils import get_dht_time
+
+        value = time.time() if self.share is None else [time.time(), self.share]
+        self.dht.store(self.key, subkey=self.node_id, value=value, expiration_time=get_dht_time() + MEMBER_TTL)
+
+    def members(self) -> dict[str, int | None]:
+        """The live members' ids, with the share each published (None: none)."""
+        found = self.dht.get(self.key, latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        members: dict[str, int | None] = {}
+        for subkey, entry in entries.items():
+            value = getattr(entry, "value", None)
+            share = value[1] if isinstance(value, list | tuple) and len(value) == 2 else None
+            members[str(subkey)] = share if isinstance(share, int) and 0 < share <= 2**40 else None
+        members[self.node_id] = self.share
+        return dict(sorted(members.items()))
+
+    def look(self) -> tuple[int, int]:
+        members = self.members()
+        self._place, self._shares = (list(members).index(self.node_id), len(members)), members
+        return self._place
+
+    def round_samples(self, share: int) -> int:
+        """The samples of a round across the live members, as last seen: the shares they published (`share`, this
+        member's, for any that published none)."""
+        return sum(s or share for s in self._shares.values()) if self._shares else share
+
+    def place(self) -> tuple[int, int]:
+        """(index, count): this member's place among the live members, as last seen."""
+        return self._place
+
+    def wait_for(self, min_nodes: int, stop: threading.Event) -> int | None:
+        """Hold training until `min_nodes` members have checked in, so a fast first node does not finish the job
+        alone before its peers arrive; the members then counted (None: they did not arrive in time). A node joining
+        a run in progress finds the others and goes straight on (and then loads the current state from a peer)."""
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT
+        refreshed, count = 0.0, 0
+        while not stop.is_set() and time.monotonic() < deadline:
+            if time.monotonic() - refreshed >= MEMBER_REFRESH:
+                self.refresh()
+                refreshed = time.monotonic()
+            count = self.look()[1]
+            if count >= min_nodes:
+                return count
+            time.sleep(0.5)
+        logger.warning("only %d of %d members arrived within %.0fs; training anyway", count, min_nodes,
+                       RENDEZVOUS_TIMEOUT)
+        return None
+
+    def keep_fresh(self, stop: threading.Event) -> threading.Thread:
+        """Refresh this member's record and its place from a thread until `stop`."""
+        def loop() -> None:
+            while not stop.wait(MEMBER_REFRESH):
+                try:
+                    if self.proofs is not None:
+                        self.proofs.refresh()
+                    self.refresh()
+                    self.look()
+                except Exception as e:  # noqa: BLE001 - a DHT hiccup; the next round tries again
+                    logger.debug("membership refresh failed: %r", e)
+
+        thread = threading.Thread(target=loop, name="membership", daemon=True)
+        thread.start()
+        return thread
+
+
+def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
+    """After the first local step, hold training until hivemind's progress tracker sees `min_nodes` peers.
+
+    A node that trains before its tracker has seen the others believes it is alone and races through epochs on
+    its own, scheduling and cancelling averaging rounds in quick succession; in hivemind 1.1.12 that can leave the
+    matchmaker wedged ("another look_for_group is already in progress"), and every later round then fails. The
+    tracker publishes a peer only once it has accumulated samples, hence one step first."""
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT
+    while not stop.is_set() and time.monotonic() < deadline:
+        if optimizer.tracker.global_progress.num_peers >= min_nodes:
+            return
+        time.sleep(0.2)
+    logger.warning("the progress tracker saw %d of %d peers; training anyway",
+                   optimizer.tracker.global_progress.num_peers, min_nodes)
+
+
+def wait_for_round(optimizer, stop: threading.Event, limit: float = ROUND_WAIT) -> None:
+    """Local updates: this member has taken its share of the round's steps. Hold it until the round is due (the
+    tracker's sample target reached, or its deadline for stragglers passed), a round elsewhere moved the swarm's
+    epoch on, or `limit` seconds passed: a member that stepped on would claim a multiple of its waiting peers'
+    samples, and the ledger's throughput cap could not tell it from a liar."""
+    tracker, deadline = optimizer.tracker, time.monotonic() + limit
+    while not stop.is_set() and time.monotonic() < deadline:
+        if tracker.ready_to_update_epoch or tracker.global_epoch > optimizer.local_epoch:
+            return
+        time.sleep(0.05)
+
