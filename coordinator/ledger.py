@@ -293,13 +293,14 @@ def throughput_cap(claim: Contribution, peers: list[Contribution], gflops: dict[
     """The most samples this claim can be credited with (None: no cap).
 
     The members of a round train side by side, so a member's share follows its speed and the time it trained: it
-    may claim up to `slack` times the median of its peers' claims, each scaled up by the ratio of the nodes'
-    GFLOP/s (`stable_gflops`) when that says this node is faster (never down: an honest node measured slow must not
-    be flagged; 1 when unknown) and by the
-    ratio of the claims' `windows` (by claim id: seconds of
-    its window while its node was in the job): a member that joined a round late, or started training before the
-    others arrived, claims in proportion to its time. One round's worth (target batch plus one local batch, in mode
-    "sync") is always plausible, which covers a node that trained alone while waiting for its group."""
+    may claim up to `slack` times the upper median of its peers' claims (with two peers the larger: one that fell
+    behind and stepped once after loading the state must not set the bar for the one that covered for it), each
+    scaled up by the ratio of the nodes' GFLOP/s (`stable_gflops`) when that says this node is faster (never down:
+    an honest node measured slow must not be flagged; 1 when unknown) and by the ratio of the claims' `windows` (by
+    claim id: seconds of its window while its node was in the job): a member that joined a round late, or started
+    training before the others arrived, claims in proportion to its time. One round's worth (target batch plus one
+    local batch, in mode "sync") is always plausible, which covers a node that trained alone while waiting for its
+    group."""
     hp = spec.hyperparameters
     one_round = int(hp["target_batch_size"]) + int(hp.get("batch_size", 0)) if "target_batch_size" in hp else 0
     if peers:
@@ -310,7 +311,7 @@ def throughput_cap(claim: Contribution, peers: list[Contribution], gflops: dict[
             mine_s, theirs_s = (windows.get(claim.id, 0.0), windows.get(p.id, 0.0)) if windows else (0.0, 0.0)
             return p.samples * speed * (mine_s / theirs_s if mine_s > 0 and theirs_s > 0 else 1.0)
 
-        return max(one_round, int(statistics.median(map(share, peers)) * slack))
+        return max(one_round, int(statistics.median_high(map(share, peers)) * slack))
     return one_round if claim.solo and one_round else None
 
 
