@@ -180,7 +180,7 @@ async def commit_challenge(request: web.Request) -> web.Response:
     async with request.app[SESSIONS].begin() as session:
         node = await authenticate_node(session, message)
         row = await owned_challenge(session, commit.challenge_id, node.id, lock=True)
-        if row.state == REVEALED:
+        if row.committed_at is not None:  # in time (revealed, maybe finished since) or late (failed)
             raise Conflict(f"challenge {row.id} is already committed", code="already_committed")
         if row.state != ISSUED:
             raise Conflict(f"challenge {row.id} is over ({row.state}: {row.reason})", code="challenge_closed")

@@ -182,6 +182,9 @@ async def test_a_late_commitment_fails_at_once(client: TestClient):
     assert reply["result"]["reason"].startswith("late: committed after")
     assert reply["result"]["seconds"] > issue.time_limit and reply["result"]["verified"] is False
     assert (await standing(client, node))["challenges_failed"] == 1
+    # A second commitment to a late one is refused as such (not "closed"), and changes nothing.
+    await rejected(client, "POST", f"/v1/challenges/{issue.challenge_id}/commit", 409, "already_committed",
+                   json=commit_body(node, issue.challenge_id, "cd" * 32))
 
 
 async def test_the_shortcut_without_the_product_fails_and_unverifies_a_verified_node(data_dir, database_url):
@@ -336,7 +339,7 @@ async def test_bad_proofs_are_refused_and_change_nothing_and_the_good_one_still_
     assert result["passed"] is True and result["verified"] is True, result
     await rejected(client, "POST", path, 409, "replay", json=body)
     await rejected(client, "POST", path, 409, "challenge_closed", json=signed(node, ch.PROOF_KIND, proof))
-    await rejected(client, "POST", f"/v1/challenges/{issue.challenge_id}/commit", 409, "challenge_closed",
+    await rejected(client, "POST", f"/v1/challenges/{issue.challenge_id}/commit", 409, "already_committed",
                    json=commit_body(node, issue.challenge_id, solution.root))
 
 
