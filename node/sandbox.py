@@ -214,22 +214,25 @@ def _system_args() -> list[str]:
 def python_dirs(exclude: Iterable[Path] = ()) -> list[str]:
     """The directories the interpreter and the gpuswarm packages need, to bind read-only at the same path.
 
-    sys.path entries that are '' or the working directory, or that contain a gpuswarm package or any of `exclude`
-    (the node's state, the job's files), are left out: the checkout root holds var/ with node state, and each
-    package directory is bound on its own."""
+    sys.path entries that are '' or the working directory, or that contain any of `exclude` (the node's state, the
+    job's files), are left out. An entry that holds a gpuswarm package is left out too (a source checkout's root
+    holds var/ with node state; each package directory is bound on its own) unless pip installed gpuswarm there
+    (a `pip install --target` directory on PYTHONPATH, whose other packages the trainer imports)."""
     packages = []
     for name in PACKAGES:
         with contextlib.suppress(ImportError, ValueError):
             spec = importlib.util.find_spec(name)
             packages += [os.path.abspath(p) for p in (spec.submodule_search_locations or [])] if spec else []
     cwd = os.getcwd()
-    guarded = packages + [os.path.abspath(p) for p in exclude]
+    excluded = [os.path.abspath(p) for p in exclude]
     dirs = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
     for entry in sys.path:
         if not entry or not os.path.isdir(entry):
             continue
         entry = os.path.abspath(entry)
-        if entry == cwd or any(_is_under(g, entry) for g in guarded):
+        if entry == cwd or any(_is_under(g, entry) for g in excluded):
+            continue
+        if any(_is_under(p, entry) for p in packages) and not any(Path(entry).glob("gpuswarm-*.dist-info")):
             continue
         dirs.append(entry)
     dirs += packages
@@ -275,11 +278,12 @@ def command(argv: list[str], *, workdir: Path, readonly: dict[Path, str], hide: 
     (files or directories) to inside paths; `hide` (the node's state dir, its jobs dir, its cache) is covered with
     an empty tmpfs (or /dev/null, for a file) wherever a bind would show it. `gpus` are the host ids the runner
     chose (indices or UUIDs); only their /dev/nvidiaN are bound and CUDA_VISIBLE_DEVICES names them by UUID
-    (empty: no GPU, CUDA_VISIBLE_DEVICES=""). `env` is the whole environment inside besides PATH and HOME (which it
-    may override) and PYTHON_SAFETY, CUDA_VISIBLE_DEVICES and GPUSWARM_SANDBOX (which it may not).
+    (empty: no GPU, CUDA_VISIBLE_DEVICES=""). `env` is the whole environment inside besides PATH, HOME and the
+    node's PYTHONPATH (which it may override) and PYTHON_SAFETY, CUDA_VISIBLE_DEVICES and GPUSWARM_SANDBOX (which
+    it may not).
 
     The process is root inside until `enter` runs: PYTHON_SAFETY keeps /job/work and a user site off sys.path even
-    for a plain `python -m`; `python_argv` (-I) is stricter still."""
+    for a plain `python -m` (`python_argv`)."""
     bwrap = bwrap_path()
     if bwrap is None:
         raise SandboxError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
@@ -341,7 +345,7 @@ def command(argv: list[str], *, workdir: Path, readonly: dict[Path, str], hide: 
     # The sort is stable: at equal depth a hide, added last, wins.
     ops.sort(key=lambda op: _depth(op[0]))
 
-    inner_env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, **env, **PYTHON_SAFETY,
+    inner_env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, **python_path(), **env, **PYTHON_SAFETY,
                  "CUDA_VISIBLE_DEVICES": ",".join(visible),
                  SANDBOX_ENV: json.dumps({"limits": asdict(limits), "uid": uid})}
     args = [bwrap, *NAMESPACES, "--hostname", "gpuswarm-sandbox", "--die-with-parent", "--new-session"]
@@ -358,9 +362,18 @@ def command(argv: list[str], *, workdir: Path, readonly: dict[Path, str], hide: 
 
 
 def python_argv(module: str, *args: str) -> list[str]:
-    """This interpreter running `module` isolated (-I: no working directory or user site on sys.path, no PYTHON*
-    variables) and without writing bytecode (-B)."""
-    return [sys.executable, "-I", "-B", "-m", module, *args]
+    """This interpreter running `module` without writing bytecode (-B). In the sandbox, `command`'s environment is
+    all it sees: PYTHON_SAFETY keeps the working directory and a user site off sys.path, and PYTHONPATH is
+    `python_path`'s."""
+    return [sys.executable, "-B", "-m", module, *args]
+
+
+def python_path() -> dict[str, str]:
+    """The node's PYTHONPATH for inside (gpuswarm installed with `pip install --target`, say; `python_dirs` binds
+    those directories read-only). Only absolute entries: an empty or relative one would put the working directory
+    on sys.path while the process inside is still root."""
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+    return {"PYTHONPATH": os.pathsep.join(path)} if path else {}
 
 
 # ---------------------------------------------------------------------------------------------------- cgroup v2

@@ -22,7 +22,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -135,7 +134,7 @@ class TrainerLink:
         shutil.rmtree(self.box, ignore_errors=True)
         self.box.mkdir(parents=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = [sys.executable, "-B", "-m", "gpuswarm.node.trainer", "--channel-fd", str(theirs.fileno())]
+        argv = sandbox.python_argv("gpuswarm.node.trainer", "--channel-fd", str(theirs.fileno()))
         start = {"spec": spec, "threads": threads, "nice": nice}
         if self.settings.sandboxed:
             self.uid = uid = sandbox.sandbox_uid()
@@ -155,11 +154,6 @@ class TrainerLink:
             if uid is not None:
                 argv += ["--uid", str(uid)]
             env = {"GPUSWARM_PARENT_PID": "0", "OMP_NUM_THREADS": str(threads)}
-            # An install found through PYTHONPATH (its directories are bound read-only). Only absolute entries: an
-            # empty or relative one would put the workdir on sys.path while the trainer is still root.
-            path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
-            if path:
-                env["PYTHONPATH"] = os.pathsep.join(path)
             # A cgroup v2 group with the limits where the node has one (removed, and its processes killed, on
             # close); the rlimits `sandbox.enter` sets inside apply either way.
             self.cgroup = self._resources.enter_context(sandbox.sandbox_cgroup(self.settings.limits))

@@ -3,6 +3,7 @@ tests for the GPU device mapping and the cgroup v2 decision on fake inputs, and 
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import signal
@@ -322,6 +323,31 @@ def test_python_dirs_skip_the_working_directory_and_what_holds_state(tmp_path, m
     monkeypatch.setattr(sys, "path", [*sys.path, "", str(holder), os.getcwd()])
     dirs = sandbox.python_dirs(exclude=[holder / "var"])
     assert str(holder) not in dirs and os.getcwd() not in dirs and "" not in dirs
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_python_dirs_bind_a_pip_target_install_whole_but_not_a_checkout(tmp_path, monkeypatch, installed):
+    """gpuswarm installed with `pip install --target DIR` (DIR on PYTHONPATH, its dependencies beside it) needs all of
+    DIR inside; a source checkout that holds the package is bound as its package directory alone."""
+    root = tmp_path / "site"
+    (root / "gpuswarm").mkdir(parents=True)
+    (root / "cryptography").mkdir()
+    if installed:
+        (root / "gpuswarm-0.1.0.dist-info").mkdir()
+    found = importlib.machinery.ModuleSpec("gpuswarm", None, is_package=True)
+    found.submodule_search_locations = [str(root / "gpuswarm")]
+    monkeypatch.setattr(sandbox.importlib.util, "find_spec", lambda name: found if name == "gpuswarm" else None)
+    monkeypatch.setattr(sys, "path", [str(root), *sys.path])
+    dirs = sandbox.python_dirs()
+    assert (str(root) in dirs) is installed
+    assert str(root / "gpuswarm") in dirs
+
+
+def test_the_sandbox_gets_the_nodes_absolute_pythonpath_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), "", "relative/dir"]))
+    assert sandbox.python_path() == {"PYTHONPATH": str(tmp_path)}
+    monkeypatch.setenv("PYTHONPATH", "relative")
+    assert sandbox.python_path() == {}
 
 
 # ---------------------------------------------------------------------------------------------------- GPUs
