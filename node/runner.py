@@ -38,6 +38,19 @@ from gpuswarm.proto.signing import SignedEnvelope
 
 logger = logging.getLogger(__name__)
 REPLAY_TIMEOUT = 240.0  # seconds a referee's replay of one round may take (the coordinator waits 300)
+THREADS_ENV = "GPUSWARM_TORCH_THREADS"  # the operator's choice of torch threads per job, if set
+
+
+def torch_threads(job_gpus: int, node_gpus: int, cpus: int, quota: float | None) -> int:
+    """Torch threads for a job's worker and trainer: the job's share of this machine's CPUs (on a CPU node, which
+    runs one job, all but one, which the daemon, the DHT and the averagers need: two threads on two busy cores
+    trained a third slower than one; on a GPU node, as many as the job holds of its GPUs), no more than the
+    sandbox's CPU quota, at least one. The worker's CPU work (copying the gradients out, the inner optimizer,
+    hivemind's accumulation) runs on these threads every step: one thread made it most of a GPU node's step time."""
+    share = cpus - 1 if node_gpus <= 0 else cpus * min(job_gpus, node_gpus) // node_gpus
+    if quota is not None:
+        share = min(share, int(quota))
+    return max(1, share)
 
 
 @dataclass(frozen=True)
@@ -131,8 +144,8 @@ class JobRunner:
                 # No preexec_fn: forking a threaded daemon and running Python before exec can deadlock the child
                 # while the parent's event loop waits for the exec. The worker sets its own parent-death signal.
                 # Only the job's GPUs are visible to it ("" on a CPU node: none, even if the machine has some).
-                env=os.environ | {PARENT_PID_ENV: str(os.getpid()),
-                                  "CUDA_VISIBLE_DEVICES": ",".join(cuda_ids)},
+                env=os.environ | {PARENT_PID_ENV: str(os.getpid()), "CUDA_VISIBLE_DEVICES": ",".join(cuda_ids),
+                                  THREADS_ENV: self._threads(len(gpus))},
                 # Its own process group: `stop` can take down everything it started (hivemind's averager
                 # processes, its DHT and p2pd, the sandboxed trainer) with one signal.
                 start_new_session=True,
@@ -145,6 +158,12 @@ class JobRunner:
         logger.info("started training %s (shard %d/%d, pid %d)", assignment.job_id, assignment.shard_index,
                     assignment.num_shards, process.pid)
         return job
+
+    def _threads(self, job_gpus: int) -> str:
+        """GPUSWARM_TORCH_THREADS for a job's process: the operator's, else `torch_threads`."""
+        return os.environ.get(THREADS_ENV) or str(torch_threads(job_gpus, self.gpu_count,
+                                                                len(os.sched_getaffinity(0)),
+                                                                self.settings.limits.cpus))
 
     def _sandbox_args(self, spec: JobSpec) -> list[str]:
         """The worker's sandbox flags. A job with its owner's code is sandboxed or not run (OSError: the daemon
@@ -179,7 +198,7 @@ class JobRunner:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "gpuswarm.node.worker", *args, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,
-                env=os.environ | {PARENT_PID_ENV: str(os.getpid()),
+                env=os.environ | {PARENT_PID_ENV: str(os.getpid()), THREADS_ENV: self._threads(len(gpus)),
                                   "CUDA_VISIBLE_DEVICES": ",".join(self.visible[g] if self.visible else str(g)
                                                                    for g in gpus)})
         async def verdict() -> dict | None:

@@ -261,6 +261,7 @@ class SharedParams:
 def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, settings: Settings,
         inputs: Inputs = Inputs(), max_seconds: float | None = None, authority: str = "") -> int:
     import hivemind
+    import torch
     from gpuswarm.dht.hivemind_adapter import averager_compression, averager_options, install_robust_reducer
     from gpuswarm.dht.swarm import SwarmDHT
     from gpuswarm.dht.validators import validators
@@ -302,8 +303,9 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         # unpickled here, and at most what the sandbox's memory could have held.
         file_limit = settings.limits.memory_bytes or settings.limits.file_bytes
         resumed = load_checkpoint(inputs.checkpoint) if inputs.checkpoint is not None else None
-        logger.info("training %s on %s%s, %s", spec.label, ", ".join(hello.devices), " (bf16 autocast)"
-                    if hello.bf16 else "", "sandboxed" if settings.sandboxed else "NOT sandboxed (built-in workload)")
+        logger.info("training %s on %s%s, %s, %d torch threads", spec.label, ", ".join(hello.devices),
+                    " (bf16 autocast)" if hello.bf16 else "",
+                    "sandboxed" if settings.sandboxed else "NOT sandboxed (built-in workload)", torch.get_num_threads())
 
         outliers = OutlierLog(workdir / "outliers.jsonl")
 
@@ -501,11 +503,11 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
 
 
 def start_trainer(link: TrainerLink, spec, inputs: Inputs):
-    """Start the job's trainer on this process's GPUs (CUDA_VISIBLE_DEVICES, set by the daemon) and threads, at
-    the nice level the daemon asks for; its Hello."""
+    """Start the job's trainer on this process's GPUs (CUDA_VISIBLE_DEVICES) and threads (GPUSWARM_TORCH_THREADS),
+    both set by the runner, at the nice level the daemon asks for; its Hello."""
     import torch
 
-    threads = int(os.environ.get("GPUSWARM_TORCH_THREADS", "1"))
+    threads = int(os.environ.get("GPUSWARM_TORCH_THREADS") or "1")
     torch.set_num_threads(threads)
     gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     return link.start(spec.model_dump(mode="json"), inputs, gpus, threads,
