@@ -14,8 +14,10 @@ one run, with nvidia-smi sampled every 0.5 s during each for the GPU's utilisati
 The node's challenge result (its class's bound, its seconds, its GFLOPS) and the processes nvidia-smi saw on the
 GPU during the job are printed too.
 
-Run: scripts/bench/run gpu [--seconds 60] [--device cuda|cpu] [--no-write]. Prints the table and appends it to
-docs/benchmarks.md. On a machine without a GPU, `--device cpu` runs the same comparison on the CPU (a smaller model).
+Run: scripts/bench/run gpu [--seconds 60] [--device cuda|cpu] [--threads 1,auto] [--no-write]. Prints the table and
+appends it, with docs/img/gpu.png, to docs/benchmarks.md. On a machine without a GPU, `--device cpu` runs the same
+comparison on the CPU (a smaller model). On a GPU machine without the venv, run this file with the python3 that
+has gpuswarm installed, from outside the checkout (its gpuswarm/ folder would shadow the installed package).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "scripts")]
 
+import charts  # noqa: E402
 from localswarm import LocalSwarm  # noqa: E402
 from split import TINYLM_CPU, TINYLM_GPU, corpus  # noqa: E402
 
@@ -246,6 +249,11 @@ def main() -> int:
              f"The node's GPU challenge: {c['device_class']}, n = {c['n']}, committed in {c['seconds']:.2f} s of "
              f"{c['time_limit']:.2f} s ({c['gflops']:,.0f} GFLOPS measured). nvidia-smi's compute processes during "
              f"the job: {node['apps'] or 'n/a'}."]
+    groups = ["plain loop", *(f"node, {n['trained_on'].rsplit(', ', 1)[-1]}" for n in nodes)]
+    lines += ["", charts.bars("gpu", f"one node against a plain loop on {what}", groups, {
+        "samples/s vs the plain loop": [1.0, *(n["samples_per_second"] / plain["samples_per_second"] for n in nodes)],
+        "GPU utilisation (share of time)": [(r["utilisation"] or 0) / 100 for r in (plain, *nodes)]},
+        "share", reference=(1.0, "the plain loop"))] if not args.no_write else []
     table = "\n".join(lines) + "\n"
     print(table)
     if not args.no_write:
