@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -31,14 +32,24 @@ from pathlib import Path
 
 from gpuswarm.node import sandbox
 from gpuswarm.node.trainer_link import Settings
-from gpuswarm.node.worker import EVENT_PREFIX, PARENT_PID_ENV
+from gpuswarm.node.worker import EVENT_PREFIX, PARENT_PID_ENV, THREADS_ENV
 from gpuswarm.proto.dht import binding_for
 from gpuswarm.proto.models import PROGRESS_MARGIN, Assignment, ContributionClaim, JobSpec, Progress
 from gpuswarm.proto.signing import SignedEnvelope
 
 logger = logging.getLogger(__name__)
 REPLAY_TIMEOUT = 240.0  # seconds a referee's replay of one round may take (the coordinator waits 300)
-THREADS_ENV = "GPUSWARM_TORCH_THREADS"  # the operator's choice of torch threads per job, if set
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: its affinity, and its own cgroup v2 quota (a container's --cpus) if any."""
+    cpus = len(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        group = Path("/proc/self/cgroup").read_text().splitlines()[0].split("::", 1)[1]
+        quota, period = (Path("/sys/fs/cgroup") / group.lstrip("/") / "cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    return cpus
 
 
 def torch_threads(job_gpus: int, node_gpus: int, cpus: int, quota: float | None) -> int:
@@ -161,8 +172,7 @@ class JobRunner:
 
     def _threads(self, job_gpus: int) -> str:
         """GPUSWARM_TORCH_THREADS for a job's process: the operator's, else `torch_threads`."""
-        return os.environ.get(THREADS_ENV) or str(torch_threads(job_gpus, self.gpu_count,
-                                                                len(os.sched_getaffinity(0)),
+        return os.environ.get(THREADS_ENV) or str(torch_threads(job_gpus, self.gpu_count, usable_cpus(),
                                                                 self.settings.limits.cpus))
 
     def _sandbox_args(self, spec: JobSpec) -> list[str]:

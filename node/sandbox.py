@@ -278,8 +278,8 @@ def command(argv: list[str], *, workdir: Path, readonly: dict[Path, str], hide: 
     (files or directories) to inside paths; `hide` (the node's state dir, its jobs dir, its cache) is covered with
     an empty tmpfs (or /dev/null, for a file) wherever a bind would show it. `gpus` are the host ids the runner
     chose (indices or UUIDs); only their /dev/nvidiaN are bound and CUDA_VISIBLE_DEVICES names them by UUID
-    (empty: no GPU, CUDA_VISIBLE_DEVICES=""). `env` is the whole environment inside besides PATH, HOME and the
-    node's PYTHONPATH (which it may override) and PYTHON_SAFETY, CUDA_VISIBLE_DEVICES and GPUSWARM_SANDBOX (which
+    (empty: no GPU, CUDA_VISIBLE_DEVICES=""). `env` is the whole environment inside besides PATH and HOME (which it
+    may override) and PYTHONPATH (`python_path`), PYTHON_SAFETY, CUDA_VISIBLE_DEVICES and GPUSWARM_SANDBOX (which
     it may not).
 
     The process is root inside until `enter` runs: PYTHON_SAFETY keeps /job/work and a user site off sys.path even
@@ -305,7 +305,8 @@ def command(argv: list[str], *, workdir: Path, readonly: dict[Path, str], hide: 
         ops.append((system[i + 2], system[i:i + 3]))
         if system[i] == "--ro-bind":
             binds.append((system[i + 1], system[i + 2]))
-    for d in python_dirs(exclude=[workdir, *hide, *readonly]):
+    interpreter_dirs = python_dirs(exclude=[workdir, *hide, *readonly])
+    for d in interpreter_dirs:
         if not _covered(d, binds):
             ops.append((d, ["--ro-bind", d, d]))
             binds.append((d, d))
@@ -345,7 +346,7 @@ def command(argv: list[str], *, workdir: Path, readonly: dict[Path, str], hide: 
     # The sort is stable: at equal depth a hide, added last, wins.
     ops.sort(key=lambda op: _depth(op[0]))
 
-    inner_env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, **python_path(), **env, **PYTHON_SAFETY,
+    inner_env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, **env, **python_path(interpreter_dirs), **PYTHON_SAFETY,
                  "CUDA_VISIBLE_DEVICES": ",".join(visible),
                  SANDBOX_ENV: json.dumps({"limits": asdict(limits), "uid": uid})}
     args = [bwrap, *NAMESPACES, "--hostname", "gpuswarm-sandbox", "--die-with-parent", "--new-session"]
@@ -368,11 +369,14 @@ def python_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-B", "-m", module, *args]
 
 
-def python_path() -> dict[str, str]:
-    """The node's PYTHONPATH for inside (gpuswarm installed with `pip install --target`, say; `python_dirs` binds
-    those directories read-only). Only absolute entries: an empty or relative one would put the working directory
-    on sys.path while the process inside is still root."""
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+def python_path(bound: Iterable[str]) -> dict[str, str]:
+    """The node's PYTHONPATH for inside (gpuswarm installed with `pip install --target`, say): only its entries
+    that are bound read-only (`bound`, from `python_dirs`). An empty or relative entry would put the working
+    directory on sys.path while the process inside is still root, and an unbound one might name a directory the
+    job can write (/job/work, /tmp)."""
+    bound = {os.path.abspath(d) for d in bound}
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if os.path.isabs(p) and os.path.abspath(p) in bound]
     return {"PYTHONPATH": os.pathsep.join(path)} if path else {}
 
 

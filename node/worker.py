@@ -55,6 +55,7 @@ from gpuswarm.proto import logs
 
 EVENT_PREFIX = "@gpuswarm "
 PARENT_PID_ENV = "GPUSWARM_PARENT_PID"
+THREADS_ENV = "GPUSWARM_TORCH_THREADS"  # torch threads for this job's worker and trainer (set by the runner)
 PR_SET_PDEATHSIG = 1
 SIGN_TIMEOUT = 10.0  # seconds the daemon has to answer a "sign" request
 WORKLOAD_FAILED = 3  # exit code: the job's workload failed (its reason went out as an "error" event)
@@ -261,7 +262,6 @@ class SharedParams:
 def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, settings: Settings,
         inputs: Inputs = Inputs(), max_seconds: float | None = None, authority: str = "") -> int:
     import hivemind
-    import torch
     from gpuswarm.dht.hivemind_adapter import averager_compression, averager_options, install_robust_reducer
     from gpuswarm.dht.swarm import SwarmDHT
     from gpuswarm.dht.validators import validators
@@ -305,7 +305,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         resumed = load_checkpoint(inputs.checkpoint) if inputs.checkpoint is not None else None
         logger.info("training %s on %s%s, %s, %d torch threads", spec.label, ", ".join(hello.devices),
                     " (bf16 autocast)" if hello.bf16 else "",
-                    "sandboxed" if settings.sandboxed else "NOT sandboxed (built-in workload)", torch.get_num_threads())
+                    "sandboxed" if settings.sandboxed else "NOT sandboxed (built-in workload)", torch_threads())
 
         outliers = OutlierLog(workdir / "outliers.jsonl")
 
@@ -502,12 +502,16 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             dht.shutdown()
 
 
+def torch_threads() -> int:
+    return int(os.environ.get(THREADS_ENV) or 1)
+
+
 def start_trainer(link: TrainerLink, spec, inputs: Inputs):
     """Start the job's trainer on this process's GPUs (CUDA_VISIBLE_DEVICES) and threads (GPUSWARM_TORCH_THREADS),
     both set by the runner, at the nice level the daemon asks for; its Hello."""
     import torch
 
-    threads = int(os.environ.get("GPUSWARM_TORCH_THREADS") or "1")
+    threads = torch_threads()
     torch.set_num_threads(threads)
     gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     return link.start(spec.model_dump(mode="json"), inputs, gpus, threads,

@@ -51,13 +51,14 @@ def params(device: str) -> dict:
 
 
 class Smi:
-    """nvidia-smi sampled every 0.5 s in the background: (monotonic time, utilisation %, memory MiB)."""
+    """nvidia-smi sampled every 0.5 s in the background for GPU 0, the one the plain loop and the node use:
+    (monotonic time, utilisation %, memory MiB)."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float, float]] = []
         self.process = None
         if shutil.which("nvidia-smi"):
-            self.process = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
+            self.process = subprocess.Popen(["nvidia-smi", "-i", "0", "--query-gpu=utilization.gpu,memory.used",
                                              "--format=csv,noheader,nounits", "-lms", "500"],
                                             stdout=subprocess.PIPE, text=True)
             threading.Thread(target=self._read, daemon=True).start()
@@ -176,15 +177,19 @@ def run_node(root: Path, data: Path, device: str, seconds: float, smi: Smi, thre
                      "time_limit": record.time_limit, "gflops": record.measured_gflops}
         job = swarm.submit_file(job_file(root / "job.toml", data, device, seconds))
         first_step = apps = None
+        deadline = time.monotonic() + seconds + 600
         while True:
+            if time.monotonic() > deadline or swarm.nodes[1].poll() is not None:
+                raise RuntimeError(f"the job did not end in time or the node exited\n{swarm.log_tail('node-1', 60)}")
             info = swarm.client.job(job.id)
             if first_step is None and info.progress.global_step > 0:
                 first_step = time.monotonic()
             if apps is None and first_step is not None and shutil.which("nvidia-smi"):
                 apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
-                                       "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-                (root / "nvidia-smi.txt").write_text(subprocess.run(["nvidia-smi"], capture_output=True,
-                                                                    text=True).stdout)
+                                       "--format=csv,noheader"], capture_output=True, text=True,
+                                      timeout=30).stdout.strip()
+                (root / "nvidia-smi.txt").write_text(subprocess.run(["nvidia-smi"], capture_output=True, text=True,
+                                                                    timeout=30).stdout)
             if info.state in ("completed", "failed", "cancelled"):
                 break
             time.sleep(1.0)
@@ -213,7 +218,9 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="keep the swarm's logs and databases under this directory")
     args = parser.parse_args()
     if args.device is None:
-        args.device = "cuda" if shutil.which("nvidia-smi") else "cpu"
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.plain_loop:
         plain_loop(args.plain_loop, args.device, args.seconds)
         return 0

@@ -185,6 +185,7 @@ async def test_a_late_commitment_fails_at_once(client: TestClient):
     # A second commitment to a late one is refused as such (not "closed"), and changes nothing.
     await rejected(client, "POST", f"/v1/challenges/{issue.challenge_id}/commit", 409, "already_committed",
                    json=commit_body(node, issue.challenge_id, "cd" * 32))
+    assert (await standing(client, node))["challenges_failed"] == 1
 
 
 async def test_the_shortcut_without_the_product_fails_and_unverifies_a_verified_node(data_dir, database_url):
@@ -239,6 +240,9 @@ async def test_a_restarted_node_abandons_its_open_challenge(client: TestClient):
     states = {c["id"]: (c["state"], c["reason"]) for c in (await standing(client, node))["challenges"]}
     assert states[first.challenge_id] == ("failed", "abandoned: the node started another challenge")
     assert states[second.challenge_id][0] == "issued"
+    # The abandoned one, never committed to, takes no commitment now.
+    await rejected(client, "POST", f"/v1/challenges/{first.challenge_id}/commit", 409, "challenge_closed",
+                   json=commit_body(node, first.challenge_id, "ab" * 32))
 
 
 async def test_re_registering_with_a_new_device_unverifies(client: TestClient):

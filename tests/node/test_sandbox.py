@@ -343,11 +343,12 @@ def test_python_dirs_bind_a_pip_target_install_whole_but_not_a_checkout(tmp_path
     assert str(root / "gpuswarm") in dirs
 
 
-def test_the_sandbox_gets_the_nodes_absolute_pythonpath_only(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), "", "relative/dir"]))
-    assert sandbox.python_path() == {"PYTHONPATH": str(tmp_path)}
+def test_the_sandbox_gets_only_the_bound_absolute_entries_of_the_nodes_pythonpath(tmp_path, monkeypatch):
+    bound, unbound = tmp_path / "site", tmp_path / "work"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(bound), "", "relative/dir", str(unbound), "/job/work"]))
+    assert sandbox.python_path([str(bound)]) == {"PYTHONPATH": str(bound)}
     monkeypatch.setenv("PYTHONPATH", "relative")
-    assert sandbox.python_path() == {}
+    assert sandbox.python_path([str(bound)]) == {}
 
 
 # ---------------------------------------------------------------------------------------------------- GPUs

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from gpuswarm.node.runner import torch_threads
+import os
+
+from gpuswarm.node.runner import torch_threads, usable_cpus
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,5 +29,9 @@ def test_a_share_of_the_cpus_within_the_quota(job, node, cpus, quota):
     if quota is not None:
         assert threads <= max(1, int(quota))
     if node > 0 and job <= node:
-        # Jobs that split a node's GPUs never ask for more threads together than it has cores (one each at least).
+        # A job holding some of a node's GPUs gets at most that share of the cores (one thread at least).
         assert threads <= max(1, cpus * job // node)
+
+
+def test_usable_cpus_is_within_this_process_affinity():
+    assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
