@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 from gpuswarm.proto.api import JobDetail, JobInfo, JobStatement, NodeInfo
@@ -42,6 +43,15 @@ def typed(model: type[BaseModel], value):
     return value if isinstance(value, model) else model.model_validate(value)
 
 
+def make_example_data(job: Path) -> None:
+    """An example that generates its data set (examples/byo/make_data.py) gets it made first, once."""
+    dataset = tomllib.loads(job.read_text()).get("dataset", {}).get("path")
+    script = job.parent / "make_data.py"
+    if isinstance(dataset, str) and script.is_file() and not (job.parent / dataset).exists():
+        console.print(f"$ python {script}   # the example's data set ({job.parent / dataset} is missing)")
+        subprocess.run([sys.executable, str(script)], check=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=3)
@@ -53,6 +63,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.job is not None and not args.job.is_file():
         parser.error(f"--job {args.job}: no such file")
+    if args.job is not None:
+        make_example_data(args.job)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up like Ctrl-C
 
     started = time.monotonic()
