@@ -127,8 +127,11 @@ async def prune_checkpoints(session: AsyncSession, job_id: str, kept: int) -> li
     return [a.name for a in rows[kept:]]
 
 
-async def latest_checkpoints(session: AsyncSession, job_ids: Sequence[str]) -> dict[str, CheckpointRef]:
-    """Each job's newest checkpoint (highest step), for the assignments the nodes poll."""
+async def latest_checkpoints(session: AsyncSession, job_ids: Sequence[str],
+                             banned: dict[str, set[str]]) -> dict[str, CheckpointRef]:
+    """Each job's newest checkpoint (highest step), for the assignments the nodes poll; never one uploaded by a node
+    `banned` from the job ({job: nodes}): a node convicted of cheating may have written its checkpoints too, and the
+    nodes that take the job over would resume from them."""
     if not job_ids:
         return {}
     rows = (await session.scalars(select(Artifact).where(
@@ -136,8 +139,9 @@ async def latest_checkpoints(session: AsyncSession, job_ids: Sequence[str]) -> d
         .order_by(Artifact.job_id, Artifact.checkpoint_step.desc(), Artifact.created_at.desc()))).all()
     newest: dict[str, CheckpointRef] = {}
     for a in rows:
-        newest.setdefault(a.job_id, CheckpointRef(name=a.name, sha256=a.sha256, size=a.size,
-                                                  step=a.checkpoint_step))
+        if a.node_id not in banned.get(a.job_id, ()):
+            newest.setdefault(a.job_id, CheckpointRef(name=a.name, sha256=a.sha256, size=a.size,
+                                                      step=a.checkpoint_step))
     return newest
 
 

@@ -12,7 +12,7 @@ import logging
 import time
 
 from aiohttp import web
-from gpuswarm.coordinator import audits, blobs, reputation
+from gpuswarm.coordinator import audits, blobs, ledger, reputation
 from gpuswarm.coordinator.auth import authenticate_node, node_refusal, read_signed, require_admin
 from gpuswarm.coordinator.challenge_schedule import after_registration
 from gpuswarm.coordinator.config import ADVERTS, AUTHORITY, CONFIG, HEARTBEATS, MESH_VERSION, SESSIONS
@@ -156,7 +156,8 @@ async def poll_assignments(request: web.Request) -> web.Response:
             select(AssignmentRow, Job).join(Job, Job.id == AssignmentRow.job_id)
             .where(AssignmentRow.node_id == message.node_id, AssignmentRow.state == AssignmentState.ACTIVE.value)
         )).all()
-        checkpoints = await blobs.latest_checkpoints(session, [j.id for _, j in rows])
+        job_ids = [j.id for _, j in rows]
+        checkpoints = await blobs.latest_checkpoints(session, job_ids, await ledger.banned(session, job_ids))
         body = shapes.assignments_json(rows, bootstrap_peers(request.app), checkpoints, request.app[AUTHORITY])
         body["audits"] = [r.model_dump(mode="json") for r in await audits.requests_for(session, message.node_id)]
         body["referee"] = [t.model_dump(mode="json") for t in await audits.tasks_for(session, message.node_id)]

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gpuswarm.coordinator import blobs
 from gpuswarm.coordinator.app import create_app
 from gpuswarm.coordinator.config import BLOB_LOCK, BLOBS, SESSIONS, CoordinatorConfig
-from gpuswarm.coordinator.db import Blob, BlobHolder, JobBlob
+from gpuswarm.coordinator.db import Blob, BlobHolder, JobBlob, Suspicion
 from gpuswarm.node.identity import Identity
 from sqlalchemy import select
 from test_api import (
@@ -314,6 +314,31 @@ async def test_checkpoints_keep_the_newest_and_ride_on_the_assignment(alice, cod
     old = b"checkpoint at 10"
     await rejected(alice, "GET", f"/v1/jobs/{job_id}/blobs/{sha(old)}", 403, "not_a_job_blob",
                    headers=fetch_headers(node, job_id, sha(old)))
+
+
+async def test_a_banned_nodes_checkpoints_are_not_handed_to_the_others(alice):
+    """A node convicted of cheating (two witnesses: a ban) may have written checkpoints; the members that go on, and
+    the nodes that take the job over, resume from the newest checkpoint of another node."""
+    code = b"code for two nodes" * 10
+    await upload(alice, code)
+    response = await alice.post("/v1/jobs", json=code_spec(code, max_nodes=2, training={"checkpoints_kept": 3}))
+    assert response.status == 201, await response.text()
+    job_id = (await response.json())["id"]
+    cheat, honest = await custom_node(alice), await custom_node(alice)
+    for node in (cheat, honest):
+        await wait_for_assignment(alice, node, job_id)
+    for node, step in ((honest, 20), (cheat, 30)):
+        data = f"checkpoint at {step}".encode()
+        response = await alice.put(f"/v1/jobs/{job_id}/artifacts/ckpt-{step}.pt", **artifact_request(
+            node, job_id, data, name=f"ckpt-{step}.pt", checkpoint_step=step))
+        assert response.status == 201, await response.text()
+    [assignment] = await poll(alice, honest)
+    assert assignment["checkpoint"]["name"] == "ckpt-30.pt"
+    async with alice.app[SESSIONS].begin() as session:
+        for reporter in ("a" * 16, "b" * 16):
+            session.add(Suspicion(job_id=job_id, node_id=cheat.node_id, reporter=reporter, epoch=3, at=time.time()))
+    [assignment] = await poll(alice, honest)
+    assert assignment["checkpoint"]["name"] == "ckpt-20.pt"
 
 
 async def test_a_final_model_with_metrics_completes_the_job(alice, code_job):
