@@ -65,6 +65,9 @@ NVIDIA_COMMON = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "
 # its working directory, /job/work, which an earlier run of the owner's code could write, first on sys.path (a
 # planted gpuswarm/ package would run as root), and a user site under HOME=/job/work would run its .pth files.
 PYTHON_SAFETY = {"PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+# The sandbox uid has no passwd entry: getpass.getuser() (torch.compile's and triton's cache directories call it)
+# would raise "getpwuid(): uid not found". It reads these first. Seen on an H100 node: AdamW stepped inside failed so.
+JOB_USER = {"USER": "job", "LOGNAME": "job"}
 CGROUP_PREFIX = "gpuswarm-sandbox-"
 CPU_PERIOD_US = 100_000
 
@@ -346,8 +349,8 @@ def command(argv: list[str], *, workdir: Path, readonly: dict[Path, str], hide: 
     # The sort is stable: at equal depth a hide, added last, wins.
     ops.sort(key=lambda op: _depth(op[0]))
 
-    inner_env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, **env, **python_path(interpreter_dirs), **PYTHON_SAFETY,
-                 "CUDA_VISIBLE_DEVICES": ",".join(visible),
+    inner_env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, **JOB_USER, **env, **python_path(interpreter_dirs),
+                 **PYTHON_SAFETY, "CUDA_VISIBLE_DEVICES": ",".join(visible),
                  SANDBOX_ENV: json.dumps({"limits": asdict(limits), "uid": uid})}
     args = [bwrap, *NAMESPACES, "--hostname", "gpuswarm-sandbox", "--die-with-parent", "--new-session"]
     for _, op in ops:

@@ -57,15 +57,16 @@ def last_json(done: subprocess.CompletedProcess) -> dict:
 @needs_bwrap
 def test_python_runs_inside_with_only_the_given_environment(tmp_path):
     done = run_inside(tmp_path, """
-        import json, os, sys
+        import getpass, json, os, sys
         print(json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "uid": os.getuid(),
-                          "caps": open("/proc/self/status").read()}))
+                          "caps": open("/proc/self/status").read(), "user": getpass.getuser()}))
     """, env={"GPUSWARM_JOB": "job-1"}, parent_env={"GPUSWARM_TEST_SECRET": "hunter2"})
     out = last_json(done)
     assert "GPUSWARM_TEST_SECRET" not in out["env"] and "hunter2" not in json.dumps(out["env"])
     assert out["env"]["GPUSWARM_JOB"] == "job-1"
     assert out["env"]["CUDA_VISIBLE_DEVICES"] == ""  # no GPU: none, even where the machine has some
     assert out["env"]["HOME"] == out["cwd"] == "/job/work"
+    assert out["user"] == "job"  # the sandbox uid has no passwd entry; torch.compile's cache dir asks for a name
     assert sandbox.SANDBOX_ENV not in out["env"]  # enter_from_environment took it
     assert "CapEff:\t0000000000000000" in out["caps"]
     if os.geteuid() == 0:
