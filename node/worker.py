@@ -305,7 +305,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         resumed = load_checkpoint(inputs.checkpoint) if inputs.checkpoint is not None else None
         logger.info("training %s on %s%s, %s, %d torch threads", spec.label, ", ".join(hello.devices),
                     " (bf16 autocast)" if hello.bf16 else "",
-                    "sandboxed" if settings.sandboxed else "NOT sandboxed (built-in workload)", torch_threads())
+                    "sandboxed" if settings.sandboxed else "NOT sandboxed (built-in workload)", given_threads())
 
         outliers = OutlierLog(workdir / "outliers.jsonl")
 
@@ -502,7 +502,8 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             dht.shutdown()
 
 
-def torch_threads() -> int:
+def given_threads() -> int:
+    """The torch threads the runner gave this job (GPUSWARM_TORCH_THREADS; see `runner.torch_threads`)."""
     return int(os.environ.get(THREADS_ENV) or 1)
 
 
@@ -511,7 +512,7 @@ def start_trainer(link: TrainerLink, spec, inputs: Inputs):
     both set by the runner, at the nice level the daemon asks for; its Hello."""
     import torch
 
-    threads = torch_threads()
+    threads = given_threads()
     torch.set_num_threads(threads)
     gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     return link.start(spec.model_dump(mode="json"), inputs, gpus, threads,
