@@ -19,8 +19,8 @@ unpickles objects that another node wrote, and `load` checks every field before 
 
 from __future__ import annotations
 
-import copy
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,23 +45,24 @@ class RoundEvidence:
     def __init__(self, directory: Path, kept: int = EVIDENCE_KEPT):
         self.directory, self.kept = directory, kept
         directory.mkdir(parents=True, exist_ok=True)
-        self._start = self._optimizer = self._position = None
+        self._start = self._position = None
         self.steps = self.samples = 0
 
-    def begin(self, anchor, optimizer) -> None:
-        """A round starts from the swarm's parameters `anchor`, with the inner `optimizer` in its state now."""
-        self._start, self._optimizer = _flat(anchor), copy.deepcopy(optimizer.state_dict())
-        self._position, self.steps, self.samples = None, 0, 0
+    def begin(self, anchor) -> None:
+        """A round starts from the swarm's parameters `anchor`."""
+        self._start, self._position, self.steps, self.samples = _flat(anchor), None, 0, 0
 
-    def step(self, samples: int, position: dict[str, int]) -> None:
-        """One inner step on a batch of `samples`, after which the data stream stood at `position`."""
-        if self._position is None:  # where the round's first batch came from: one batch before this one
-            self._position = {**position, "batches": position["batches"] - 1}
-        self.steps += 1
+    def record(self, steps: int, samples: int, position: dict[str, int]) -> None:
+        """`steps` inner steps on batches of `samples` in all, after which the data stream stood at `position`."""
+        if self._position is None:  # where the round's first batch came from: `steps` batches before this
+            self._position = {**position, "batches": position["batches"] - steps}
+        self.steps += steps
         self.samples += samples
 
-    def end(self, epoch: int, inner) -> Path | None:
-        """The round of `epoch` ended with the inner parameters `inner`: write its evidence, drop the oldest."""
+    def end(self, epoch: int, inner, optimizer_state: Callable[[], dict]) -> Path | None:
+        """The round of `epoch` ended with the inner parameters `inner`: write its evidence, with the inner
+        optimizer's state dict at the round's start (`optimizer_state()`, the trainer's, read back by the worker
+        only when there is a round to write), and drop the oldest."""
         import torch
 
         if self._start is None or self.steps == 0:
@@ -70,7 +71,7 @@ class RoundEvidence:
         partial = path.with_suffix(".part")
         torch.save({"format": EVIDENCE_FORMAT, "epoch": epoch, "steps": self.steps, "samples": self.samples,
                     "position": self._position, "start": self._start, "end": _flat(inner),
-                    "inner_optimizer": self._optimizer}, partial)
+                    "inner_optimizer": optimizer_state()}, partial)
         partial.replace(path)
         self._start = None
         for old in sorted(self.directory.glob("*.pt"), key=lambda p: int(p.stem))[:-self.kept]:
@@ -124,39 +125,46 @@ def distance(start, end, replayed) -> float:
     return off / moved
 
 
-def replay(evidence: dict[str, Any], link, shared, local) -> dict[str, Any]:
+def replay(evidence: dict[str, Any], link, shared, local, optimizer_spec) -> dict[str, Any]:
     """Re-compute the round of `evidence` with the job's trainer (`link`), its shared buffers (`shared`, a
-    worker.SharedParams) and inner loop (`local`, a local_updates.LocalUpdates), and judge it: a verdict of
-    steps, samples, distance, passed and reason."""
+    worker.SharedParams), the worker's view of the inner parameters (`local`, a local_updates.LocalUpdates) and the
+    workload's `optimizer_spec`, and judge it: a verdict of steps, samples, distance, passed and reason."""
+    import io
+
     import torch
+    from gpuswarm.node.local_updates import INNER_CHUNK_SECONDS
 
     start = evidence["start"]
     with torch.no_grad():
         for param, chunk in zip(shared.params, start.split(shared.sizes), strict=True):
             param.copy_(chunk.view(param.shape))
-    local.restart()
-    try:
-        local.optimizer.load_state_dict(evidence["inner_optimizer"])
+    try:  # checked here, on a copy of the parameters, before the trainer takes it
+        optimizer_spec.build([torch.nn.Parameter(p.detach().clone()) for p in shared.params]).load_state_dict(
+            evidence["inner_optimizer"])
     except Exception as e:  # noqa: BLE001 - another node's state: a mismatch is a verdict
         return verdict(evidence, 0, 0, math.inf, f"the inner optimizer state does not fit the model: {e}")
-    shared.publish(local.params)
-    position, samples = evidence["position"], 0
-    for i in range(evidence["steps"]):
-        done = link.request("step", "step", f"re-computing step {i + 1} of {evidence['steps']}",
-                            version=shared.version, index=position["index"], count=position["count"], step=0,
-                            resume=position if i == 0 else None)
-        shared.take_grads()
-        local.step(done.samples)
-        shared.publish(local.params)
-        samples += done.samples
-    d = distance(start, evidence["end"], _flat(local.params))
+    shared.publish()
+    state = io.BytesIO()
+    torch.save(evidence["inner_optimizer"], state)
+    link.give_file("inner.pt", state.getvalue())
+    link.request("load_inner", "saved", "loading the round's inner optimizer state", version=shared.version,
+                 name="inner.pt")
+    position, steps, samples = evidence["position"], 0, 0
+    while steps < evidence["steps"]:
+        done = link.request("inner", "inner", f"re-computing step {steps + 1} of {evidence['steps']}",
+                            extra_time=INNER_CHUNK_SECONDS, version=shared.version, steps=evidence["steps"] - steps,
+                            seconds=INNER_CHUNK_SECONDS, index=position["index"], count=position["count"], step=0,
+                            resume=position if steps == 0 else None)
+        steps, samples = steps + done.steps, samples + done.samples
+    shared.take_inner(local)
+    d = distance(start, evidence["end"], local.flat)
     if samples != evidence["samples"]:
-        return verdict(evidence, evidence["steps"], samples, d, f"its batches hold {samples} samples, not the "
-                                                                f"{evidence['samples']} it names")
+        return verdict(evidence, steps, samples, d, f"its batches hold {samples} samples, not the "
+                                                    f"{evidence['samples']} it names")
     if not d <= TOLERANCE:
-        return verdict(evidence, evidence["steps"], samples, d, f"its end lies {d:.3g} of the round's movement "
-                                                                f"from the re-computed one (at most {TOLERANCE})")
-    return verdict(evidence, evidence["steps"], samples, d, "")
+        return verdict(evidence, steps, samples, d, f"its end lies {d:.3g} of the round's movement "
+                                                    f"from the re-computed one (at most {TOLERANCE})")
+    return verdict(evidence, steps, samples, d, "")
 
 
 def verdict(evidence: dict[str, Any], steps: int, samples: int, d: float, reason: str) -> dict[str, Any]:

@@ -1,15 +1,17 @@
 """Local updates with an outer optimizer (DiLoCo) on top of hivemind's averaging: the job mode "diloco".
 
-Owns, for one training process: this node's inner copy of the parameters and the workload's optimizer over it
-(stepped on every local batch, no network), the pseudo-gradient handed to `hivemind.Optimizer` (which holds the
-anchor, i.e. the swarm's parameters, and steps it with the outer SGD on the swarm's average), and the
-choice of how many inner steps a round takes.
+Owns, for one training process: the worker's view of this node's inner parameters (the sandboxed trainer takes the
+inner steps with the workload's own optimizer, on the job's device, and hands the parameters back every few seconds
+of them: `INNER_CHUNK_SECONDS`), the pseudo-gradient handed to `hivemind.Optimizer` (which holds the anchor, i.e.
+the swarm's parameters, and steps it with the outer SGD on the swarm's average), and the choice of how many inner
+steps a round takes.
 
 How the pseudo-gradient reaches hivemind 1.1.12 unchanged: its gradient averager sums what `.grad` holds at each
 `step(batch_size=b)` call, scaled by b / (the epoch's first b) (optim/grad_averager.py:146-148), and divides the
-sum by the number of calls when the round starts (load_accumulators_into_averager_). Nobody knows in advance which
-call ends the epoch (the swarm's sample count decides), so the k-th call of an epoch gets
-k·δ_k − (k−1)·δ_{k−1} (δ_k = anchor − inner after k inner steps), rescaled by the inverse of hivemind's factor:
+sum by the number of calls when the round starts (load_accumulators_into_averager_). The worker calls it once per
+chunk of inner steps, with the chunk's samples. Nobody knows in advance which call ends the epoch (the swarm's
+sample count decides), so the k-th call of an epoch gets
+k·δ_k − (k−1)·δ_{k−1} (δ_k = anchor − inner after the k-th chunk), rescaled by the inverse of hivemind's factor:
 the sum telescopes to K·δ_K and hivemind's division leaves exactly δ_K, whichever call K ends the epoch. The
 averaged δ (weighted by samples, as hivemind weighs peers) is the outer optimizer's gradient.
 
@@ -41,6 +43,10 @@ MAX_INNER_STEPS = 1000
 MIN_ROUND_COMPUTE = 10.0
 MAX_ROUND_COMPUTE = 30.0  # seconds: more local steps than this learn less per sample; metrics at least this often
 ASSUMED_MBIT = 50.0  # the link assumed before the first round is measured
+# Seconds of inner steps per request to the trainer. Between requests the worker checks the stop flag and the
+# job's wall-time limit, and tells hivemind's tracker how far it got (the swarm's round is due when the members'
+# samples add up); each request costs one copy of the parameters out of the trainer (on a GPU, over PCIe).
+INNER_CHUNK_SECONDS = 5.0
 
 
 def first_round_estimate(parameter_count: int, matchmaking_time: float, members: int) -> float:
@@ -85,35 +91,33 @@ def group_pace(claims: Iterable[Mapping[str, Any]]) -> tuple[float, float] | Non
 
 
 class LocalUpdates:
-    """The inner loop of DiLoCo on this node. `anchor` are the parameters hivemind's optimizer owns (and averages);
-    `grads` the buffers the trainer's gradients are copied into. Each `step` applies the inner optimizer and
-    leaves this step's share of the pseudo-gradient in the anchor's `.grad`; `restart` follows the anchor after it
-    moved (an outer step, or state loaded from a peer)."""
+    """The worker's side of DiLoCo's inner loop. `anchor` are the parameters hivemind's optimizer owns (and
+    averages); `params` the inner copy (views of one flat tensor, `flat`), which the trainer's inner steps move.
+    After each chunk of them, `advance` leaves this call's share of the pseudo-gradient in the anchor's `.grad`;
+    `restart` follows the anchor after it moved (an outer step, or state loaded from a peer)."""
 
-    def __init__(self, anchor, grads, optimizer_spec) -> None:
+    def __init__(self, anchor) -> None:
         import torch
 
         self.anchor = list(anchor)
-        self.params = [torch.nn.Parameter(p.detach().clone()) for p in self.anchor]
-        for param, grad in zip(self.params, grads, strict=True):
-            param.grad = grad
-        self.optimizer = optimizer_spec.build(self.params)
+        self.flat = torch.cat([p.detach().reshape(-1) for p in self.anchor])
+        self.params = [chunk.view(p.shape) for chunk, p in
+                       zip(self.flat.split([p.numel() for p in self.anchor]), self.anchor, strict=True)]
         self.scaled_previous = [torch.zeros_like(p) for p in self.anchor]  # (k-1)·δ_{k-1}
         for param in self.anchor:
             param.grad = torch.zeros_like(param)
-        self.steps = 0
+        self.calls = 0
         self.first_batch: int | None = None
 
-    def step(self, batch_size: int) -> None:
-        """One inner step on the gradients in the shared buffers, then k·δ_k − (k−1)·δ_{k−1}, rescaled for
+    def advance(self, batch_size: int) -> None:
+        """The inner parameters moved by a chunk of `batch_size` samples: k·δ_k − (k−1)·δ_{k−1}, rescaled for
         hivemind's batch weighting, into the anchor's `.grad` (see the module docstring)."""
         import torch
 
-        self.optimizer.step()
-        self.steps += 1
+        self.calls += 1
         if self.first_batch is None:
             self.first_batch = batch_size
-        k, rescale = self.steps, self.first_batch / batch_size
+        k, rescale = self.calls, self.first_batch / batch_size
         with torch.no_grad():
             for anchor, inner, previous in zip(self.anchor, self.params, self.scaled_previous, strict=True):
                 scaled = torch.sub(anchor, inner).mul_(k)
@@ -121,11 +125,11 @@ class LocalUpdates:
                 previous.copy_(scaled)
 
     def restart(self) -> None:
-        """The anchor moved: the inner parameters start again from it (the inner optimizer keeps its state)."""
+        """The anchor moved: the inner parameters start again from it (the trainer's optimizer keeps its state)."""
         import torch
 
         with torch.no_grad():
             for anchor, inner, previous in zip(self.anchor, self.params, self.scaled_previous, strict=True):
                 inner.copy_(anchor)
                 previous.zero_()
-        self.steps, self.first_batch = 0, None
+        self.calls, self.first_batch = 0, None

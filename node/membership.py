@@ -1,12 +1,15 @@
 """A run's membership as one training worker sees it (`gpuswarm.node.worker`): this member's signed record in the
 run's membership key and its place (hence its data shard) among the live members, the proof that lets its
 records through every peer's validators, and the waits that keep members in step: the rendezvous of `min_nodes`,
-hivemind's progress tracker seeing them, and a local-updates member holding after its share of a round.
+hivemind's progress tracker seeing them, and a local-updates member holding after its share of a round. The record
+also carries the inner steps the member takes in its current round, so that a member that was not in the group's
+last round (it joined late, or its round failed) takes as many as the others (`agreed_steps`).
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import logging
 import threading
 import time
@@ -63,30 +66,51 @@ class Membership:
         # Mode "fedavg": the samples of this member's round (its own data's passes), published with its record so
         # that every member sets the round's total alike although the members' data differ in size.
         self.share = share
-        self._place, self._shares = (0, 1), {}
+        self.pace: tuple[int, int] | None = None  # (epoch, inner steps) of this member's current round
+        self._place, self._shares, self._paces = (0, 1), {}, {}
+        self._wake = threading.Event()
 
     def refresh(self) -> None:
         from hivemind.utils import get_dht_time
 
-        value = time.time() if self.share is None else [time.time(), self.share]
+        value = time.time() if self.share is None and self.pace is None else [time.time(), self.share,
+                                                                                *(self.pace or ())]
         self.dht.store(self.key, subkey=self.node_id, value=value, expiration_time=get_dht_time() + MEMBER_TTL)
 
-    def members(self) -> dict[str, int | None]:
-        """The live members' ids, with the share each published (None: none)."""
+    def members(self) -> dict[str, tuple[int | None, tuple[int, int] | None]]:
+        """The live members' ids, with the share and the (epoch, inner steps) each published (None: none)."""
         found = self.dht.get(self.key, latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
-        members: dict[str, int | None] = {}
+        members = {}
         for subkey, entry in entries.items():
             value = getattr(entry, "value", None)
-            share = value[1] if isinstance(value, list | tuple) and len(value) == 2 else None
-            members[str(subkey)] = share if isinstance(share, int) and 0 < share <= 2**40 else None
-        members[self.node_id] = self.share
+            value = value if isinstance(value, list | tuple) and len(value) in (2, 4) else [None, None]
+            share = value[1] if _whole(value[1], 2**40) else None
+            pace = (value[2], value[3]) if len(value) == 4 and _whole(value[2], 2**62, least=0) and \
+                _whole(value[3], 10**6) else None
+            members[str(subkey)] = share, pace
+        members[self.node_id] = self.share, self.pace
         return dict(sorted(members.items()))
 
     def look(self) -> tuple[int, int]:
         members = self.members()
-        self._place, self._shares = (list(members).index(self.node_id), len(members)), members
+        self._place = list(members).index(self.node_id), len(members)
+        self._shares = {node: share for node, (share, _) in members.items()}
+        self._paces = {node: pace for node, (_, pace) in members.items() if pace is not None and node != self.node_id}
         return self._place
+
+    def publish_pace(self, epoch: int, inner_steps: int) -> None:
+        """Tell the others, with this member's record (refreshed now, from the helper thread), how many inner steps
+        it takes in the round of `epoch`."""
+        self.pace = epoch, inner_steps
+        self._wake.set()
+
+    def agreed_steps(self, epoch: int) -> int | None:
+        """The inner steps the other members published for the round of `epoch` (looked up now; the most common
+        count, the larger on a tie), or None when none did."""
+        self.look()
+        counts = collections.Counter(steps for e, steps in self._paces.values() if e == epoch)
+        return max(counts, key=lambda steps: (counts[steps], steps)) if counts else None
 
     def round_samples(self, share: int) -> int:
         """The samples of a round across the live members, as last seen: the shares they published (`share`, this
@@ -118,7 +142,13 @@ class Membership:
     def keep_fresh(self, stop: threading.Event) -> threading.Thread:
         """Refresh this member's record and its place from a thread until `stop`."""
         def loop() -> None:
-            while not stop.wait(MEMBER_REFRESH):
+            while not stop.is_set():
+                due = time.monotonic() + MEMBER_REFRESH
+                while not (stop.wait(0.1) or self._wake.is_set()) and time.monotonic() < due:
+                    pass
+                self._wake.clear()
+                if stop.is_set():
+                    return
                 try:
                     if self.proofs is not None:
                         self.proofs.refresh()
@@ -130,6 +160,11 @@ class Membership:
         thread = threading.Thread(target=loop, name="membership", daemon=True)
         thread.start()
         return thread
+
+
+def _whole(value, most: int, least: int = 1) -> bool:
+    """An int (not a bool) in [least, most]: what a member's record may carry, whatever another member wrote."""
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
 
 
 def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:

@@ -6,7 +6,9 @@ the model's state when the worker asks. It runs inside the job's bubblewrap sand
 network, none of the node's state, its own workdir only, limits set by `sandbox.enter` before any workload code is
 imported. It holds no key and never talks to the DHT, the coordinator or the daemon: its only link is the socket
 to the trusted worker (`gpuswarm.node.worker`, protocol in `gpuswarm.proto.trainer`) and the two shared float32
-buffers the worker gave it (`gpuswarm.node.channel.SharedTensor`): parameters in, gradients out.
+buffers the worker gave it (`gpuswarm.node.channel.SharedTensor`): parameters in; out, a batch's gradients (mode
+"sync") or its parameters after a run of inner steps (modes "diloco" and "fedavg", in which this process also
+steps the workload's own optimizer, on the job's device, and keeps its state across rounds).
 
 Run by the worker as: python -m gpuswarm.node.trainer --channel-fd FD [--limits JSON] [--uid UID]
 """
@@ -93,7 +95,7 @@ def optimizer_spec(workload):
         spec = workload.optimizer()
     except TypeError as e:
         raise WorkloadError(f"Workload.optimizer() takes no arguments and returns a gpuswarm.sdk.OptimizerSpec "
-                            f"(the node builds the optimizer outside the sandbox): {e}") from None
+                            f"(the node builds the optimizer from it): {e}") from None
     if not isinstance(spec, OptimizerSpec):
         raise WorkloadError(f"Workload.optimizer() returned {type(spec).__name__}, not a gpuswarm.sdk.OptimizerSpec")
     return spec
@@ -196,7 +198,9 @@ class Trainer:
             if len(self.devices) > 1 else self.model
         self.stream = ShardStream(self.workload, self.workload.ctx.seed)
         self.version = 0
-        self.params_buf = self.grads_buf = None
+        self.params_buf = self.out_buf = None
+        self.inner_optimizer = None  # the workload's optimizer over this model, built at the first inner step
+        self.round_start = None  # its state dict when the worker's current round started (for the evidence)
 
     def autocast(self):
         import torch
@@ -226,7 +230,7 @@ class Trainer:
 
         if len(fds) != 2:
             raise ChannelClosed(f"expected 2 shared buffers, got {len(fds)}")
-        self.params_buf, self.grads_buf = SharedTensor(fds[0], self.numel), SharedTensor(fds[1], self.numel)
+        self.params_buf, self.out_buf = SharedTensor(fds[0], self.numel), SharedTensor(fds[1], self.numel)
         with torch.no_grad():
             for (_, p), (o, n) in zip(self.named, self.offsets, strict=True):
                 self.params_buf.tensor[o:o + n].copy_(p.detach().reshape(-1))
@@ -256,7 +260,7 @@ class Trainer:
         loss.backward()
         with torch.no_grad():
             for (_, p), (o, n) in zip(self.named, self.offsets, strict=True):
-                out = self.grads_buf.tensor[o:o + n]
+                out = self.out_buf.tensor[o:o + n]
                 if p.grad is None:
                     out.zero_()
                 else:
@@ -266,6 +270,66 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return {"kind": "step", "samples": self.workload.batch_samples(batch), "seconds": time.perf_counter() - t0,
                 "loss": float(loss.item()), "position": self.stream.position()}
+
+    def optimizer(self):
+        if self.inner_optimizer is None:
+            self.inner_optimizer = optimizer_spec(self.workload).build([p for _, p in self.named])
+        return self.inner_optimizer
+
+    def inner(self, request: dict) -> dict:
+        """Up to `steps` steps of the workload's optimizer on this member's batches, stopping early once `seconds`
+        have passed; then the parameters into the output buffer. The device is synchronised once, at the end: a
+        non-finite loss in any of the steps fails the request there. The first request of a round
+        (`round_start`) first keeps a copy of the optimizer's state, on the device, for `save_inner`."""
+        import copy
+
+        import torch
+        from gpuswarm.sdk import to_device
+
+        self.stream.reshard(int(request["index"]), int(request["count"]), int(request["step"]), request.get("resume"))
+        wanted, budget = int(request["steps"]), float(request["seconds"])
+        optimizer = self.optimizer()
+        if request.get("round_start"):
+            self.round_start = copy.deepcopy(optimizer.state_dict())
+        t0 = time.perf_counter()
+        steps = samples = 0
+        finite = torch.ones((), dtype=torch.bool, device=self.device)
+        while True:
+            batch = self.stream.next()
+            samples += self.workload.batch_samples(batch)
+            with self.autocast():
+                loss = self.workload.loss(self.forward_model, to_device(batch, self.device))
+            finite &= torch.isfinite(loss.detach())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            steps += 1
+            if steps >= wanted or time.perf_counter() - t0 >= budget:
+                break
+        if not finite.item():
+            raise FloatingPointError(f"the training loss was not finite in one of {steps} inner steps")
+        with torch.no_grad():
+            for (_, p), (o, n) in zip(self.named, self.offsets, strict=True):
+                self.out_buf.tensor[o:o + n].copy_(p.detach().reshape(-1))
+        return {"kind": "inner", "steps": steps, "samples": samples, "seconds": time.perf_counter() - t0,
+                "loss": float(loss.item()), "position": self.stream.position()}
+
+    def save_inner(self, name: str) -> None:
+        """The inner optimizer's state at the start of the current round (for the worker's evidence) as a
+        torch.save file."""
+        import torch
+
+        tmp = self.workdir / (name + ".tmp")
+        torch.save(self.round_start if self.round_start is not None else self.optimizer().state_dict(), tmp)
+        os.replace(tmp, self.workdir / name)
+
+    def load_inner(self, name: str) -> None:
+        """Take an inner optimizer state the worker checked and wrote into this workdir (a referee's replay)."""
+        import torch
+
+        path = self.workdir / name
+        self.optimizer().load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+        path.unlink()
 
     def save_state(self, name: str) -> None:
         """The model's state dict (parameters and buffers) on the CPU, for the worker's checkpoint."""
@@ -294,6 +358,11 @@ class Trainer:
             self.pull_params(int(request.get("version", self.version)))
             if op == "step":
                 self.chan.send(self.step(request))
+            elif op == "inner":
+                self.chan.send(self.inner(request))
+            elif op in ("save_inner", "load_inner"):
+                getattr(self, op)(str(request["name"]))
+                self.chan.send({"kind": "saved"})
             elif op == "evaluate":
                 self.chan.send({"kind": "metrics", "metrics": self.evaluate()})
             elif op == "save_state":

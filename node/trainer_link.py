@@ -6,7 +6,7 @@ child process for a built-in workload on a node without bubblewrap), the shared 
 (`gpuswarm.proto.trainer`). The trainer's stdout and stderr go to the worker's log through a bounded pump, so owners'
 prints can neither fill the disk nor pose as the worker's events.
 
-Whatever the trainer does (raises, hangs, exits, dies of a limit, answers nonsense, writes NaN into the gradient
+Whatever the trainer does (raises, hangs, exits, dies of a limit, answers nonsense, writes NaN into the output
 buffer) ends as one `TrainerFailed` with a reason for the job's owner; the trainer is then killed.
 """
 
@@ -118,7 +118,7 @@ class TrainerLink:
         self.proc: subprocess.Popen | None = None
         self.chan: Channel | None = None
         self.params: SharedTensor | None = None
-        self.grads: SharedTensor | None = None
+        self.out: SharedTensor | None = None
         self.hello: Hello | None = None
         self.output: collections.deque[str] = collections.deque(maxlen=8)  # the trainer's last lines of output
         self._pump: threading.Thread | None = None
@@ -179,14 +179,15 @@ class TrainerLink:
         if 8 * numel > (self.settings.limits.memory_bytes or 2**62):
             raise TrainerFailed(f"the model has {numel:,} parameters; its shared buffers alone exceed this node's "
                                 f"memory limit for a job")
-        self.params, self.grads = SharedTensor.create(numel, "params"), SharedTensor.create(numel, "grads")
-        self.chan.send({"op": "buffers"}, fds=[self.params.fd, self.grads.fd])
+        self.params, self.out = SharedTensor.create(numel, "params"), SharedTensor.create(numel, "out")
+        self.chan.send({"op": "buffers"}, fds=[self.params.fd, self.out.fd])
         self._answer("ready", self.settings.answer_timeout, "mapping the shared buffers")
         self.hello = hello
         return hello
 
-    def request(self, op: str, expect: str, what: str, **fields):
-        """Send one request and return its validated answer (of kind `expect`); TrainerFailed otherwise."""
+    def request(self, op: str, expect: str, what: str, *, extra_time: float = 0.0, **fields):
+        """Send one request and return its validated answer (of kind `expect`); TrainerFailed otherwise. The answer
+        may take the answer timeout plus `extra_time` seconds (a request of many inner steps asks for more)."""
         try:
             self.chan.send({"op": op, **fields})
         except TimeoutError:
@@ -195,7 +196,7 @@ class TrainerLink:
                                 f"stopped") from None
         except OSError:
             raise TrainerFailed(self._exit_reason(what)) from None
-        return self._answer(expect, self.settings.answer_timeout, what)
+        return self._answer(expect, self.settings.answer_timeout + extra_time, what)
 
     def _answer(self, expect: str, timeout: float, what: str):
         try:
@@ -203,7 +204,7 @@ class TrainerLink:
         except TimeoutError:
             self.kill()
             raise TrainerFailed(f"the workload did not answer within {timeout:.0f}s while {what} "
-                                f"(this node's time limit for one step); it was stopped") from None
+                                f"(this node's time limit for one request); it was stopped") from None
         except (ChannelClosed, OSError):
             raise TrainerFailed(self._exit_reason(what)) from None
         for fd in fds:
@@ -288,6 +289,24 @@ class TrainerLink:
                 path.unlink()
         return None if dest is not None else b"".join(chunks)
 
+    def give_file(self, name: str, data: bytes) -> None:
+        """Write `data` as a new file `name` in the trainer's workdir, readable by its uid. Whatever the trainer
+        left under that name is removed first, and a name it re-creates in between (a symlink, say) makes the write
+        fail instead of following it."""
+        path = self.box / name
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise TrainerFailed(f"cannot hand the workload its {name}: {e.strerror}") from None
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
     def close(self, timeout: float = 10.0) -> None:
         """Ask the trainer to stop, then make sure it has: bounded, whatever state it is in."""
         if self.chan is not None:
@@ -307,7 +326,7 @@ class TrainerLink:
             self._pump.join(2)
         if self.proc is not None and self.proc.stdout is not None:
             self.proc.stdout.close()
-        for buf in (self.params, self.grads):
+        for buf in (self.params, self.out):
             if buf is not None:
                 buf.close()
         self._resources.close()

@@ -5,9 +5,13 @@ Owns everything of a job run that touches the network and the money: the hivemin
 (the averaging and the optimizer step, over the worker's own copy of the parameters), the run's membership and this
 member's data shard, the stop rule, checkpoints (written by the member at place 0, uploaded by the daemon) and
 resuming from one, the progress events and the claims. The job's workload code never runs here: it runs in the
-sandboxed trainer (`gpuswarm.node.trainer`, reached through `gpuswarm.node.trainer_link`), which computes each
-batch's gradients into a shared buffer; the worker copies them out, refuses non-finite ones, steps, and publishes
-the parameters back when they change. Whatever the trainer does ends, at worst, as an "error" event with a reason.
+sandboxed trainer (`gpuswarm.node.trainer`, reached through `gpuswarm.node.trainer_link`). In mode "sync" the
+trainer computes each batch's gradients into a shared buffer; the worker copies them out, refuses non-finite ones
+and steps. In modes "diloco" and "fedavg" the trainer takes the inner steps itself (the workload's optimizer, on
+the job's device) and hands its parameters over every few seconds; the worker copies them out, refuses non-finite
+ones and gives hivemind the pseudo-gradient (`gpuswarm.node.local_updates`). Either way the worker publishes the
+swarm's parameters back when they change. Whatever the trainer does ends, at worst, as an "error" event with a
+reason.
 
 It talks to its parent only through JSON lines on stdout (prefixed with `EVENT_PREFIX`) and stdin (the daemon's
 answers to "sign" requests), and its exit code; it never talks to the coordinator, so training goes on while the
@@ -36,6 +40,7 @@ Run as: python -m gpuswarm.node.worker ASSIGNMENT_JSON --host ADDRESS --workdir 
 from __future__ import annotations
 
 import argparse
+import io
 import itertools
 import json
 import logging
@@ -216,8 +221,9 @@ class Checkpoints:
 
 class SharedParams:
     """The worker's own copy of the model's parameters (what hivemind averages and steps), and the two shared
-    buffers it trades with the trainer: gradients in (copied out, then checked), parameters out (published when
-    they changed, with a new version number the trainer's next request carries)."""
+    buffers it trades with the trainer: the trainer's output in (a batch's gradients, or its parameters after inner
+    steps; copied out, then checked), parameters out (published when they changed, with a new version number the
+    trainer's next request carries)."""
 
     def __init__(self, link):
         import torch
@@ -244,17 +250,27 @@ class SharedParams:
         check), then refused if any is NaN or infinite."""
         import torch
 
-        self.grad_flat.copy_(self.link.grads.tensor)
+        self.grad_flat.copy_(self.link.out.tensor)
         if not torch.isfinite(self.grad_flat).all():
             raise TrainerFailed("the workload put non-finite values (NaN or inf) in the shared gradient buffer; "
                                 "nothing of this batch was shared")
 
-    def publish(self, params=None) -> None:
-        """Hand the trainer `params` (by default the swarm's, i.e. hivemind's) for its next batch."""
+    def take_inner(self, local) -> None:
+        """The trainer's parameters after its inner steps, copied out of the shared buffer into `local` (a
+        local_updates.LocalUpdates) first, then refused if any is NaN or infinite."""
+        import torch
+
+        local.flat.copy_(self.link.out.tensor)
+        if not torch.isfinite(local.flat).all():
+            raise TrainerFailed("the workload's parameters after its inner steps are not finite (NaN or inf); "
+                                "nothing of this round was shared")
+
+    def publish(self) -> None:
+        """Hand the trainer the swarm's parameters (hivemind's) for its next request."""
         import torch
 
         with torch.no_grad():
-            for param, chunk in zip(params or self.params, self.link.params.tensor.split(self.sizes), strict=True):
+            for param, chunk in zip(self.params, self.link.params.tensor.split(self.sizes), strict=True):
                 chunk.copy_(param.reshape(-1))
         self.version += 1
 
@@ -262,15 +278,22 @@ class SharedParams:
 def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, settings: Settings,
         inputs: Inputs = Inputs(), max_seconds: float | None = None, authority: str = "") -> int:
     import hivemind
+    import torch
     from gpuswarm.dht.hivemind_adapter import averager_compression, averager_options, install_robust_reducer
     from gpuswarm.dht.swarm import SwarmDHT
     from gpuswarm.dht.validators import validators
     from gpuswarm.node.attest import ClaimAttestor, RoundResult
     from gpuswarm.node.evidence import RoundEvidence
-    from gpuswarm.node.local_updates import LocalUpdates, choose_inner_steps, first_round_estimate, group_pace
+    from gpuswarm.node.local_updates import (
+        INNER_CHUNK_SECONDS,
+        LocalUpdates,
+        choose_inner_steps,
+        first_round_estimate,
+        group_pace,
+    )
     from gpuswarm.node.workloads.saved import load_checkpoint
     from gpuswarm.proto.models import Assignment
-    from gpuswarm.proto.trainer import OptimizerSpec, Position, StepDone
+    from gpuswarm.proto.trainer import InnerDone, OptimizerSpec, Position, StepDone
 
     a = Assignment.model_validate(assignment)
     inflate, lazy = claim_inflation(), lazy_fault()
@@ -288,10 +311,10 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         shared = SharedParams(link)
         options = spec.training
         if options.mode in ("diloco", "fedavg"):
-            # The workload's optimizer steps this node's inner copy on every batch; hivemind's steps the swarm's
+            # The workload's optimizer steps the trainer's inner copy on every batch; hivemind's steps the swarm's
             # parameters with the outer SGD on the averaged pseudo-gradient once a round. FedAvg is the outer step
             # at rate 1 without momentum: the swarm takes its members' parameters, averaged by samples.
-            local = LocalUpdates(shared.params, shared.grads, hello.optimizer)
+            local = LocalUpdates(shared.params)
             fedavg = options.mode == "fedavg"
             outer = OptimizerSpec(name="sgd", lr=1.0 if fedavg else options.outer_learning_rate,
                                   momentum=0.0 if fedavg else options.outer_momentum,
@@ -387,8 +410,20 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         samples_total, round_samples, started = 0, 0, time.time()
         # What another node needs to re-compute each round (a referee's audit: gpuswarm.node.evidence).
         evidence = RoundEvidence(workdir / "evidence") if local is not None else None
+
+        def inner_state() -> dict:
+            """The trainer's inner optimizer state at the round's start (for the evidence), read as tensors only."""
+            link.request("save_inner", "saved", "saving the inner optimizer's state", version=shared.version,
+                         name="inner.pt")
+            try:
+                return torch.load(io.BytesIO(link.take_file("inner.pt", file_limit)), map_location="cpu",
+                                  weights_only=True)
+            except Exception as e:  # noqa: BLE001 - what the job's code wrote: unreadable fails the job
+                raise TrainerFailed(f"the workload's inner optimizer state is unreadable: {e}") from None
+
         if evidence is not None:
-            evidence.begin(shared.params, local.optimizer)
+            evidence.begin(shared.params)
+        round_start = True  # the next request to the trainer is the first of a round
         mark = time.monotonic()  # where the time this node's steps took was last counted up to
         swarm_samples = last_epoch * target  # the swarm's samples so far, for the data epochs a stop rule counts
         while not stop.is_set():
@@ -396,9 +431,27 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 raise TrainerFailed(f"the job ran past this node's wall-time limit for a job ({max_seconds:.0f}s)")
             index, count = membership.place()
             began = time.monotonic()
+            first_step = samples_total == 0
             # Node-local data (federated) is this node's alone: all of it is its shard.
             shard = (0, 1) if spec.local_dataset is not None else (index, count)
-            if lazy:
+            if local is not None:
+                # The rest of this member's share of the round (one step first: see wait_for_tracker below), in
+                # requests of at most INNER_CHUNK_SECONDS.
+                wanted = 1 if first_step else max(1, -(-(inner_steps * hello.batch_size - round_samples)
+                                                        // hello.batch_size))
+                if lazy:  # claims the steps, computes nothing: its parameters stay where the round started
+                    done_step = InnerDone(kind="inner", steps=wanted, samples=wanted * hello.batch_size, seconds=0.0,
+                                          loss=0.0, position=Position(index=shard[0], count=shard[1], seed=0,
+                                          batches=samples_total // hello.batch_size + wanted))
+                else:
+                    done_step = link.request("inner", "inner", f"computing the inner steps of round "
+                                             f"{optimizer.local_epoch + 1}", extra_time=INNER_CHUNK_SECONDS,
+                                             version=shared.version, steps=wanted, seconds=INNER_CHUNK_SECONDS,
+                                             index=shard[0], count=shard[1], step=optimizer.local_epoch,
+                                             resume=resume_position, round_start=round_start)
+                    shared.take_inner(local)
+                round_start = False
+            elif lazy:
                 done_step = StepDone(kind="step", samples=hello.batch_size, seconds=0.0, loss=0.0, position=Position(
                     index=shard[0], count=shard[1], seed=0, batches=samples_total // hello.batch_size + 1))
                 shared.grad_flat.zero_()
@@ -407,18 +460,20 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                                          version=shared.version, index=shard[0], count=shard[1],
                                          step=optimizer.local_epoch, resume=resume_position)
                 shared.take_grads()
+            steps_taken = getattr(done_step, "steps", 1)
             resume_position = None
-            # Recorded before optimizer.step(): a round scheduled inside that step claims this batch, which
+            # Recorded before optimizer.step(): a round scheduled inside that step claims these batches, which
             # hivemind has accumulated by then. The seconds are this process's own clock on its steps since the
-            # last count (the previous step's optimizer step included; rounds and waits not): what the group's pace
+            # last count (the previous optimizer step included; rounds and waits not): what the group's pace
             # is read from, never the trainer's figure, which comes from the job's code.
             counted = time.monotonic()
-            attestor.meter.record(done_step.samples, counted - mark)
+            attestor.meter.record(done_step.samples, counted - mark, steps_taken)
             mark = counted
-            first_step = samples_total == 0
+            if local is not None and not first_step:  # the first request also warmed the trainer up
+                step_seconds = ema(step_seconds, (counted - began) / steps_taken)
             if local is not None:
-                local.step(done_step.samples)
-                evidence.step(done_step.samples, done_step.position.model_dump())
+                local.advance(done_step.samples)
+                evidence.record(steps_taken, done_step.samples, done_step.position.model_dump())
             stepping = time.monotonic()
             optimizer.step(batch_size=done_step.samples if local is not None else None)
             stepped = time.monotonic()
@@ -431,8 +486,6 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 mark = time.monotonic()
             if optimizer.local_epoch == last_epoch:
                 if local is not None:
-                    shared.publish(local.params)  # the next batch starts where this node's inner steps got to
-                    step_seconds = ema(step_seconds, stepped - began)
                     if round_samples >= inner_steps * hello.batch_size:
                         wait_for_round(optimizer, stop)
                         mark = time.monotonic()
@@ -440,19 +493,30 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             # An averaged step (or the state loaded from a peer) changed the parameters: the trainer takes them.
             swarm_samples += optimizer.tracker.target_batch_size * (optimizer.local_epoch - last_epoch)
             if local is not None:
-                evidence.end(last_epoch, local.params)
+                group = rounds.get(last_epoch)
+                # A round this node took alone is never audited (no peer attested it): no evidence to keep.
+                if group is None or not group.solo:
+                    evidence.end(last_epoch, local.params, inner_state)
                 local.restart()
-                evidence.begin(shared.params, local.optimizer)
+                round_start = True
                 round_seconds = ema(round_seconds, stepped - stepping)
                 # The pace of the group whose round just ended (its claims are for the epoch it ended), alike on
                 # every member, so that all take the same inner steps; this node's own timing when it was alone.
-                group = rounds.get(last_epoch)
                 pace = group_pace(c["payload"] for c in group.claims) if group and group.group_size > 1 else None
-                inner_steps = choose_inner_steps(*(pace or (step_seconds, round_seconds)), fixed_steps)
+                # A member that was not in the group's round (it joined late, or its round failed) takes the count
+                # the others published for this round: one that took fewer steps would send a shorter
+                # pseudo-gradient, which their robust reducers clip and name as an outlier.
+                agreed = membership.agreed_steps(optimizer.local_epoch) \
+                    if pace is None and fixed_steps is None and count > 1 else None
+                inner_steps = agreed or choose_inner_steps(*(pace or (step_seconds, round_seconds)), fixed_steps)
+                membership.publish_pace(optimizer.local_epoch, inner_steps)
                 logger.info("round of epoch %d: %d inner steps next, from %s", last_epoch, inner_steps,
-                             f"the group's pace {pace}" if pace else "this node's own timing")
+                            f"the group's pace {pace}" if pace else "the other members' records" if agreed
+                            else "this node's own timing")
                 optimizer.tracker.target_batch_size = round_target(count)
             shared.publish()
+            if evidence is not None:
+                evidence.begin(shared.params)
             last_epoch = step = optimizer.local_epoch
             round_samples = 0
             metrics = link.request("evaluate", "metrics", f"evaluating step {step}", version=shared.version).metrics
@@ -535,7 +599,7 @@ def referee(spec: dict, workdir: Path, settings: Settings, inputs: Inputs, path:
         except evidence.EvidenceError as e:
             emit("verdict", epoch=None, steps=0, samples=0, distance=None, passed=False, reason=str(e))
             return 0
-        result = evidence.replay(kept, link, shared, LocalUpdates(shared.params, shared.grads, hello.optimizer))
+        result = evidence.replay(kept, link, shared, LocalUpdates(shared.params), hello.optimizer)
         logger.info("replayed round %s: %s", result["epoch"], "passed" if result["passed"] else result["reason"])
         emit("verdict", **result)
         return 0

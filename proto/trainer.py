@@ -5,9 +5,12 @@ Owns the messages the trainer (`gpuswarm.node.trainer`, owners' code inside a bu
 asks for (the worker builds it: a workload's own code never runs in the trusted process). Everything the trainer
 sends is untrusted and is validated here, with bounds; the worker's requests to the trainer are plain dicts.
 
-One exchange per local step: the worker sends {"op": "step", ...}, the trainer computes the gradients of one batch
-into the shared gradient buffer and answers `StepDone`. Parameters travel the other way through the shared
-parameter buffer, published by the worker when they change (`params_version`). Pure pydantic; no I/O.
+Two ways to train. Mode "sync", one exchange per local step: the worker sends {"op": "step", ...}, the trainer
+computes the gradients of one batch into the shared output buffer and answers `StepDone`. Modes "diloco" and
+"fedavg", one exchange per many steps: the worker sends {"op": "inner", "steps": N, "seconds": S, ...}, the trainer
+takes up to N steps of the workload's own optimizer (at most about S seconds of them), writes its parameters into
+the output buffer and answers `InnerDone`. Parameters travel the other way through the shared parameter buffer,
+published by the worker when they change (`version`). Pure pydantic; no I/O.
 """
 
 from __future__ import annotations
@@ -107,6 +110,18 @@ class StepDone(_Message):
     position: Position
 
 
+class InnerDone(_Message):
+    """Inner steps done with the workload's optimizer: the trainer's parameters after them are in the shared output
+    buffer. `position` is where the data stream stands after the last of them."""
+
+    kind: Literal["inner"]
+    steps: Annotated[int, Field(ge=1, le=10**6)]
+    samples: Annotated[int, Field(ge=1, le=10**12)]
+    seconds: Annotated[float, Field(ge=0, le=86_400, allow_inf_nan=False)]
+    loss: Finite
+    position: Position
+
+
 class Evaluated(_Message):
     kind: Literal["metrics"]
     metrics: Metrics = Field(max_length=32)
@@ -125,8 +140,9 @@ class Failed(_Message):
     reason: Annotated[str, StringConstraints(max_length=MAX_REASON)]
 
 
-TrainerMessage = Annotated[Hello | Ready | StepDone | Evaluated | Saved | Failed, Field(discriminator="kind")]
+TrainerMessage = Annotated[Hello | Ready | StepDone | InnerDone | Evaluated | Saved | Failed,
+                           Field(discriminator="kind")]
 TRAINER_MESSAGE = TypeAdapter(TrainerMessage)
 
-__all__ = ["MAX_MESSAGE", "TRAINER_MESSAGE", "Evaluated", "Failed", "Hello", "OptimizerSpec", "ParamInfo",
-           "Position", "Ready", "Saved", "StepDone", "TrainerMessage"]
+__all__ = ["MAX_MESSAGE", "TRAINER_MESSAGE", "Evaluated", "Failed", "Hello", "InnerDone", "OptimizerSpec",
+           "ParamInfo", "Position", "Ready", "Saved", "StepDone", "TrainerMessage"]

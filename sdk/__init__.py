@@ -124,9 +124,10 @@ class Workload(abc.ABC):
         of them. Called under `torch.no_grad()` with the model in eval mode, on the node's device."""
 
     def optimizer(self) -> OptimizerSpec:
-        """The optimizer the swarm's averaged steps apply, by name (default: Adam at `learning_rate`). The node
-        builds it in its trusted worker, outside the sandbox, so it is a declaration, not code: Adam, AdamW or SGD
-        with their usual settings (`OptimizerSpec`)."""
+        """The optimizer that steps the model, by name (default: Adam at `learning_rate`): the node builds it, for
+        the local steps of mode "diloco" next to the model on its device, for the averaged steps of mode "sync" in
+        its trusted worker. So it is a declaration, not code: Adam, AdamW or SGD with their usual settings
+        (`OptimizerSpec`)."""
         return OptimizerSpec(name="adam", lr=self.learning_rate)
 
     def batch_samples(self, batch: Batch) -> int:

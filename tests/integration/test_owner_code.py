@@ -73,7 +73,7 @@ class Blobs(Workload):
 
 
 def write_owner_job(root: Path, name: str, stop: str, params: str = "", module: str = OWNER_CODE,
-                    max_nodes: int = 2) -> Path:
+                    max_nodes: int = 2, mode: str = "diloco") -> Path:
     """An owner's project: a package, a dataset directory, and a job file naming them."""
     (root / "code" / "blobs").mkdir(parents=True, exist_ok=True)
     (root / "code" / "blobs" / "__init__.py").write_text(module)
@@ -101,6 +101,8 @@ def write_owner_job(root: Path, name: str, stop: str, params: str = "", module: 
         [stop]
         {stop}
         max_epochs = 200
+        [training]
+        mode = "{mode}"
     '''))
     return job
 
@@ -196,16 +198,22 @@ class Blobs(Blobs):
             raise RuntimeError(f"could not read the key: {', '.join(sorted(errors))}")
         if self.params.attack == "exit":
             os._exit(7)
+
+        if self.params.attack == "nan_params":  # mode "diloco": the parameters it hands over are NaN
+            loss = super().loss(model, batch)
+            for p in model.parameters():
+                p.data.fill_(float("nan"))  # behind autograd's back: the loss itself stays finite
+            return loss
         return super().loss(model, batch)
 
     def batch_samples(self, batch):
-        if self.params.attack == "nan":  # after the node copied this batch's gradients out: poison them
+        if self.params.attack == "nan":  # mode "sync", after the node copied this batch's gradients out: poison them
             for fd in os.listdir("/proc/self/fd"):
                 try:
                     name = os.readlink(f"/proc/self/fd/{fd}")
                 except OSError:  # the listing's own descriptor, closed by now
                     continue
-                if "gpuswarm-grads" in name:
+                if "gpuswarm-out" in name:
                     with mmap.mmap(int(fd), os.fstat(int(fd)).st_size) as m:
                         m[:] = b"\\x00\\x00\\xc0\\x7f" * (len(m) // 4)
         return super().batch_samples(batch)
@@ -221,17 +229,21 @@ BROKEN = {  # case: (stop rule, params, module, the reason the job's owner must 
     "key": ('target = "accuracy >= 0.9"', 'attack = "read"\ntarget = "{key}"', HOSTILE_CODE,
             "could not read the key: FileNotFoundError"),
     "exit": ('target = "accuracy >= 0.9"', 'attack = "exit"', HOSTILE_CODE,
-             "the workload's process exited with code 7 while computing step 1"),
+             "the workload's process exited with code 7 while computing the inner steps of round 1"),
     "nan": ('target = "accuracy >= 0.9"', 'attack = "nan"', HOSTILE_CODE,
             "the workload put non-finite values (NaN or inf) in the shared gradient buffer"),
+    "nan_params": ('target = "accuracy >= 0.9"', 'attack = "nan_params"', HOSTILE_CODE,
+                   "the workload's parameters after its inner steps are not finite"),
 }
+SYNC = {"nan"}  # cases in mode "sync" (each batch's gradients cross the shared buffer); the rest in "diloco"
 
 
 def test_a_broken_or_hostile_workload_fails_its_job_with_the_reason_and_the_nodes_go_on(swarm, tmp_path):
     jobs = {}
     key = ",".join(str(swarm.root / f"node-{i}" / "identity.key") for i in swarm.nodes)
     for case, (stop, params, module, _) in BROKEN.items():  # all at once: they fail side by side, one per node
-        job_file = write_owner_job(tmp_path / case, f"broken-{case}", stop, params.format(key=key), module, 1)
+        job_file = write_owner_job(tmp_path / case, f"broken-{case}", stop, params.format(key=key), module, 1,
+                                   "sync" if case in SYNC else "diloco")
         args = [sys.executable, "-m", "gpuswarm.cli", "job", "submit", str(job_file), "-c", swarm.url, "--token",
                 swarm.client.token, "--json"]
         if case == "import":  # the owner's local check would refuse it at submit; the node must refuse it too

@@ -132,13 +132,14 @@ ATTACKS = {"read": _read, "list": _list, "write": _write, "connect": _connect, "
 
 
 def poison_gradient_buffer() -> bool:
-    """Write NaN over the shared gradient buffer, found through /proc/self/fd like any memfd this process holds."""
+    """Write NaN over the shared output (gradient) buffer, found through /proc/self/fd like any memfd this process
+    holds."""
     for fd in os.listdir("/proc/self/fd"):
         try:
             name = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if "gpuswarm-grads" in name:
+        if "gpuswarm-out" in name:
             size = os.fstat(int(fd)).st_size
             with mmap.mmap(int(fd), size) as m:
                 m[:] = b"\x00\x00\xc0\x7f" * (size // 4)  # float32 NaN
@@ -169,7 +170,8 @@ class Hostile(Workload):
         if self.params.when == "loss" and self.params.attack in ATTACKS:
             ATTACKS[self.params.attack](self.params.target)
         x, y = batch
-        return torch.nn.functional.cross_entropy(model(x), y)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        return loss * float("nan") if self.params.attack == "nan_loss" else loss
 
     def batch_samples(self, batch):
         # Called after the node copied this batch's gradients into the shared buffer: the last word is ours.

@@ -6,6 +6,7 @@ reason. `load` refuses malformed evidence field by field."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from gpuswarm.node.worker import EVENT_PREFIX, SharedParams
 from gpuswarm.proto.models import JobSpec
 
 SPEC = JobSpec.model_validate({"workload": "digits-mlp"})
-STEPS = 12
+CHUNKS = (1, 7, 4)
+STEPS = sum(CHUNKS)
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +34,23 @@ def rounds(tmp_path_factory) -> dict:
     try:
         hello = link.start(SPEC.model_dump(mode="json"), Inputs(), gpus=[], threads=1, nice=0)
         shared = SharedParams(link)
-        local = LocalUpdates(shared.params, shared.grads, hello.optimizer)
+        local = LocalUpdates(shared.params)
         evidence = RoundEvidence(root / "evidence")
         paths = []
         for epoch in range(2):
-            evidence.begin(shared.params, local.optimizer)
-            for _ in range(STEPS):
-                done = link.request("step", "step", "a step", version=shared.version, index=1, count=2, step=0,
-                                    resume=None)
-                shared.take_grads()
-                local.step(done.samples)
-                evidence.step(done.samples, done.position.model_dump())
-                shared.publish(local.params)
-            paths.append(evidence.end(epoch, local.params))
+            evidence.begin(shared.params)
+            for i, chunk in enumerate(CHUNKS):  # the worker asks for a round's steps in chunks of a few seconds
+                done = link.request("inner", "inner", "inner steps", version=shared.version, steps=chunk,
+                                    seconds=60.0, index=1, count=2, step=0, resume=None, round_start=i == 0)
+                assert done.steps == chunk
+                shared.take_inner(local)
+                evidence.record(done.steps, done.samples, done.position.model_dump())
+
+            def inner_state() -> dict:
+                link.request("save_inner", "saved", "saving", version=shared.version, name="inner.pt")
+                return torch.load(io.BytesIO(link.take_file("inner.pt", 2**30)), weights_only=True)
+
+            paths.append(evidence.end(epoch, local.params, inner_state))
             with torch.no_grad():  # the outer step of a lone member at rate 1: the swarm takes its parameters
                 for anchor, inner in zip(shared.params, local.params, strict=True):
                     anchor.copy_(inner)
@@ -126,12 +132,13 @@ def test_load_refuses_malformed_evidence(rounds, change, reason):
 def test_a_node_keeps_its_last_rounds_only(tmp_path):
     evidence = RoundEvidence(tmp_path, kept=3)
     params = [torch.nn.Parameter(torch.zeros(4))]
-    optimizer = torch.optim.SGD(params, lr=0.1)
+    state = torch.optim.SGD(params, lr=0.1).state_dict()
     for epoch in range(6):
-        evidence.begin(params, optimizer)
-        assert evidence.end(epoch, params) is None  # no step, no evidence
-        evidence.begin(params, optimizer)
-        evidence.step(8, {"index": 0, "count": 1, "seed": 5, "batches": 1 + epoch})
-        evidence.end(epoch, params)
+        evidence.begin(params)
+        assert evidence.end(epoch, params, lambda: state) is None  # no step, no evidence
+        evidence.begin(params)
+        evidence.record(3, 24, {"index": 0, "count": 1, "seed": 5, "batches": 3 + epoch})
+        evidence.end(epoch, params, lambda: state)
     assert sorted(int(p.stem) for p in tmp_path.glob("*.pt")) == [3, 4, 5]
+    # The round's first batch: three batches before where its one chunk of three steps left the stream.
     assert load(tmp_path / "5.pt", 4)["position"] == {"index": 0, "count": 1, "seed": 5, "batches": 5}

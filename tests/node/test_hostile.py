@@ -43,8 +43,9 @@ def node(tmp_path):
 
 
 def run_attack(state: Path, code: Path, attack: str, target: str = "", when: str = "loss",
-               timeout: float = 30.0) -> TrainerLink:
-    """Start the hostile workload in the sandbox and take one step; returns the link after a step that worked."""
+               timeout: float = 30.0, inner: bool = False) -> TrainerLink:
+    """Start the hostile workload in the sandbox and take one step (`inner`: three inner steps, as in mode
+    "diloco"); returns the link after a request that worked."""
     spec = JobSpec.model_validate({
         "code": {"sha256": "0" * 64, "size": 1, "format": "tar", "entrypoint": "hostile_workload:Hostile"},
         "hyperparameters": {"attack": attack, "target": target, "when": when}, "stop": {"max_steps": 5}})
@@ -53,7 +54,11 @@ def run_attack(state: Path, code: Path, attack: str, target: str = "", when: str
     link = TrainerLink(state / "jobs" / "j-this", settings)
     try:
         link.start(spec.model_dump(mode="json"), Inputs(code=code), gpus=[], threads=1, nice=0)
-        link.request("step", "step", "computing step 1", version=0, index=0, count=1, step=0, resume=None)
+        if inner:
+            link.request("inner", "inner", "computing inner steps", version=0, steps=3, seconds=timeout, index=0,
+                         count=1, step=0, resume=None)
+        else:
+            link.request("step", "step", "computing step 1", version=0, index=0, count=1, step=0, resume=None)
     except BaseException:
         link.close()
         raise
@@ -153,6 +158,12 @@ def test_nan_written_into_the_shared_gradient_buffer_is_refused(node):
         assert all(p.grad is None for p in shared.params)  # nothing reached the optimizer
     finally:
         link.close()
+
+
+def test_a_non_finite_loss_in_the_inner_steps_is_refused_with_its_reason(node):
+    state, code, _ = node
+    reason = failure(state, code, "nan_loss", inner=True)
+    assert "the training loss was not finite in one of 3 inner steps" in reason, reason
 
 
 @pytest.mark.parametrize("target", ["{state}/identity.key", "fifo"])

@@ -48,8 +48,10 @@ class Peer:
         with torch.no_grad():
             for p in self.anchor:
                 p.copy_(torch.randn_like(p))
-        self.grads = [torch.zeros_like(p) for p in self.anchor]
-        self.local = LocalUpdates(self.anchor, self.grads, OptimizerSpec(name="adamw", lr=0.05))
+        # The trainer's side of the inner loop: the workload's optimizer over its own copy of the parameters.
+        self.local = LocalUpdates(self.anchor)
+        self.inner = [torch.nn.Parameter(p.detach().clone()) for p in self.anchor]
+        self.inner_optimizer = OptimizerSpec(name="adamw", lr=0.05).build(self.inner)
         self.optimizer = hivemind.Optimizer(
             dht=dht, run_id=run_id, target_batch_size=target, batch_size_per_step=4, params=self.anchor,
             optimizer=outer.build, matchmaking_time=1.0, averaging_timeout=10.0,
@@ -57,10 +59,20 @@ class Peer:
             averager_opts={"request_timeout": 1.0}, verbose=False)
 
     def step(self, batch: int, rng: torch.Generator) -> None:
-        for g in self.grads:
-            g.copy_(torch.randn(g.shape, generator=rng))
-        self.local.step(batch)
+        """One chunk of inner steps (one step here) handed over as the worker takes it."""
+        for p in self.inner:
+            p.grad = torch.randn(p.shape, generator=rng)
+        self.inner_optimizer.step()
+        with torch.no_grad():
+            self.local.flat.copy_(torch.cat([p.reshape(-1) for p in self.inner]))
+        self.local.advance(batch)
         self.optimizer.step(batch_size=batch)
+
+    def restart(self) -> None:
+        self.local.restart()
+        with torch.no_grad():
+            for p, a in zip(self.inner, self.anchor, strict=True):
+                p.copy_(a)
 
 
 def test_a_solo_round_with_outer_sgd_at_rate_one_lands_exactly_on_the_inner_parameters():
@@ -83,7 +95,7 @@ def test_a_solo_round_with_outer_sgd_at_rate_one_lands_exactly_on_the_inner_para
         assert not all(torch.equal(a, b) for a, b in zip(inner_before, inner_at_end, strict=True))
         for anchor, inner in zip(peer.anchor, inner_at_end, strict=True):
             torch.testing.assert_close(anchor.detach(), inner, rtol=1e-5, atol=1e-5)
-        peer.local.restart()
+        peer.restart()
         for anchor, inner in zip(peer.anchor, peer.local.params, strict=True):
             assert torch.equal(anchor.detach(), inner.detach())
     finally:

@@ -8,8 +8,9 @@ import asyncio
 import pytest
 import torch
 from gpuswarm.node import runner as runner_module
+from gpuswarm.node.local_updates import LocalUpdates
 from gpuswarm.node.runner import JobRunner
-from gpuswarm.node.trainer_link import Inputs, Settings, TrainerLink
+from gpuswarm.node.trainer_link import Inputs, Settings, TrainerFailed, TrainerLink
 from gpuswarm.node.worker import SharedParams
 from gpuswarm.node.workloads.saved import read_model_file
 from gpuswarm.proto.models import Assignment, JobSpec
@@ -44,6 +45,34 @@ def test_a_builtin_trains_saves_and_reports_through_an_unsandboxed_trainer(tmp_p
     finally:
         link.close()
     assert link.proc.returncode == 0  # asked to stop, it stopped
+
+
+def test_the_trainer_takes_inner_steps_itself_and_hands_its_parameters_back(tmp_path):
+    spec = JobSpec.model_validate({"workload": "digits-mlp", "training": {"mode": "diloco"}})
+    link = TrainerLink(tmp_path / "job", Settings(sandboxed=False, answer_timeout=60))
+    try:
+        hello = link.start(spec.model_dump(mode="json"), Inputs(), gpus=[], threads=1, nice=0)
+        shared = SharedParams(link)
+        local = LocalUpdates(shared.params)
+        done = link.request("inner", "inner", "inner steps", version=shared.version, steps=10, seconds=60.0, index=0,
+                            count=1, step=0, resume=None)
+        assert (done.steps, done.samples, done.position.batches) == (10, 10 * hello.batch_size, 10)
+        shared.take_inner(local)
+        assert all(not torch.equal(a, b) for a, b in zip(shared.params, local.params, strict=True))
+        # A request ends after its time budget (here none: one step), and the stream goes on where it was.
+        done = link.request("inner", "inner", "inner steps", version=shared.version, steps=1000, seconds=0.0,
+                            index=0, count=1, step=0, resume=None)
+        assert (done.steps, done.position.batches) == (1, 11)
+        # The swarm's parameters (here still the initial ones) replace the trainer's inner ones when published.
+        shared.publish()
+        metrics = link.request("evaluate", "metrics", "evaluating", version=shared.version).metrics
+        assert metrics == hello.metrics
+        with torch.no_grad():
+            link.out.tensor[3] = float("nan")
+        with pytest.raises(TrainerFailed, match="not finite"):
+            shared.take_inner(local)
+    finally:
+        link.close()
 
 
 def test_owners_code_is_refused_where_the_node_cannot_sandbox(tmp_path, monkeypatch):

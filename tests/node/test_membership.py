@@ -1,0 +1,58 @@
+"""A run's membership records over a real hivemind DHT (gpuswarm.node.membership): the inner steps a member
+publishes for a round reach a member that was not in the group's round, the most common count wins, and a record
+of the wrong shape (written by anyone) is read as no share and no pace, never as an error."""
+
+from __future__ import annotations
+
+import time
+
+import hivemind
+import pytest
+from gpuswarm.node.membership import MEMBER_TTL, Membership
+from hivemind.utils import get_dht_time
+
+
+@pytest.fixture
+def dht():
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    yield node
+    node.shutdown()
+
+
+def members(dht, *names: str, share: int | None = None) -> list[Membership]:
+    found = [Membership(dht, "run-m", name, share=share) for name in names]
+    for m in found:
+        m.refresh()
+    return found
+
+
+def test_a_member_without_the_groups_pace_takes_the_count_the_others_published(dht):
+    a, b, c, late = members(dht, "node-a", "node-b", "node-c", "node-late")
+    for member, steps in ((a, 120), (b, 120), (c, 80)):
+        member.publish_pace(7, steps)
+        member.refresh()  # what the helper thread does when woken
+    assert late.agreed_steps(7) == 120  # the most common count
+    assert late.agreed_steps(8) is None  # nobody published this round yet
+    assert late.place() == (3, 4)  # the look also placed it among the four
+
+
+def test_a_tie_takes_the_larger_count_and_a_member_ignores_its_own_record(dht):
+    a, b, me = members(dht, "node-a", "node-b", "node-me")
+    for member, steps in ((a, 40), (b, 60), (me, 500)):
+        member.publish_pace(2, steps)
+        member.refresh()
+    assert me.agreed_steps(2) == 60
+
+
+def test_records_of_the_wrong_shape_are_neither_shares_nor_paces(dht):
+    me, fed = members(dht, "node-me", "node-fed", share=640)
+    fed.publish_pace(0, 25)  # epoch 0 is a round like any other
+    fed.refresh()
+    for name, value in (("node-x", ["x", None, "3", True]), ("node-y", [1.0, -5, -1, 10**9]),
+                        ("node-z", {"steps": 4}), ("node-w", [1.0, 2**41, 3, 0])):
+        dht.store("run-m.members", subkey=name, value=value, expiration_time=get_dht_time() + MEMBER_TTL)
+    time.sleep(0.1)
+    assert me.agreed_steps(0) == 25
+    found = me.members()
+    assert found["node-fed"] == (640, (0, 25))
+    assert all(found[name] == (None, None) for name in ("node-x", "node-y", "node-z", "node-w"))
