@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from gpuswarm.proto.dht import MEMBERS_SUFFIX
 
@@ -183,14 +185,48 @@ def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
                    optimizer.tracker.global_progress.num_peers, min_nodes)
 
 
-def wait_for_round(optimizer, stop: threading.Event, limit: float = ROUND_WAIT) -> None:
-    """Local updates: this member has taken its share of the round's steps. Hold it until the round is due (the
-    tracker's sample target reached, or its deadline for stragglers passed), a round elsewhere moved the swarm's
-    epoch on, or `limit` seconds passed: a member that stepped on would claim a multiple of its waiting peers'
-    samples, and the ledger's throughput cap could not tell it from a liar."""
+def wait_for_round(optimizer, stop: threading.Event, target: Callable[[], int] | None = None,
+                   limit: float = ROUND_WAIT) -> None:
+    """Local updates: this member has taken its share of the round's steps. Hold it until every live member's
+    share is in (the swarm's samples reached the round's `target()`, re-read as members come and go), a round
+    elsewhere moved the swarm's epoch on, or `limit` seconds passed. A member that stepped on would claim a
+    multiple of its waiting peers' samples, which the ledger's throughput cap cannot tell from a liar's; one that
+    started the round before the others were done would find no group, and take that round alone.
+
+    hivemind's own trigger (`ready_to_update_epoch`) also fires at its estimate of the round's end, extrapolated
+    from each peer's last reported rate: with inner steps in bursts of a few seconds that estimate ran ahead of the
+    members' real progress. So this waits for the samples themselves, and drops a matchmaking round that hivemind
+    scheduled early from that estimate: the step after the wait starts a fresh one, with every member there."""
     tracker, deadline = optimizer.tracker, time.monotonic() + limit
-    while not stop.is_set() and time.monotonic() < deadline:
-        if tracker.ready_to_update_epoch or tracker.global_epoch > optimizer.local_epoch:
-            return
-        time.sleep(0.05)
+    scheduled = getattr(optimizer, "scheduled_grads", None)
+    if scheduled is not None and not scheduled.triggered:
+        if not scheduled.done():
+            scheduled.cancel()
+        optimizer.scheduled_grads = None
+    with adding_nothing(tracker):
+        while not stop.is_set() and time.monotonic() < deadline:
+            if target is not None:
+                tracker.target_batch_size = target()
+            if tracker.global_progress.samples_accumulated >= tracker.target_batch_size \
+                    or tracker.global_epoch > optimizer.local_epoch:
+                return
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def adding_nothing(tracker):
+    """While a member waits for its round, it tells the swarm that it adds no samples: hivemind's tracker
+    extrapolates every peer's samples at the rate the peer last reported, and a member whose inner steps run in a
+    few bursts reports a high one, so the others' trackers would take the round as due while they are still on
+    their share, and schedule their matchmaking too early."""
+    ema = tracker.performance_ema
+    rate = ema.samples_per_second
+    ema.samples_per_second = ema.eps
+    progress = tracker.local_progress
+    tracker.report_local_progress(progress.epoch, progress.samples_accumulated)
+    try:
+        yield
+    finally:
+        ema.samples_per_second = rate
+        ema.reset_timer()  # the wait is no part of the next batch's time
 

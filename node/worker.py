@@ -391,6 +391,9 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             matchmaking_time=hello.matchmaking_time, averaging_timeout=hello.averaging_timeout,
             # A newcomer joining a run in progress takes the current weights and optimizer state from a peer.
             load_state_timeout=60.0, averager_opts={**averager_options(), "request_timeout": 1.0},
+            # The swarm's progress at least every second: a member waiting for the others' shares (wait_for_round)
+            # sees them in and starts the round within a second of the others.
+            tracker_opts={"max_refresh_period": 1.0},
             grad_compression=averager_compression(options.compression), verbose=False,
             # Every gradient round carries this node's signed claim as gather data (see gpuswarm.node.attest).
             grad_averager_factory=attestor.averager_factory,
@@ -487,7 +490,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             if optimizer.local_epoch == last_epoch:
                 if local is not None:
                     if round_samples >= inner_steps * hello.batch_size:
-                        wait_for_round(optimizer, stop)
+                        wait_for_round(optimizer, stop, lambda: round_target(membership.place()[1]))
                         mark = time.monotonic()
                 continue
             # An averaged step (or the state loaded from a peer) changed the parameters: the trainer takes them.
@@ -497,6 +500,14 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 # A round this node took alone is never audited (no peer attested it): no evidence to keep.
                 if group is None or not group.solo:
                     evidence.end(last_epoch, local.params, inner_state)
+                elif count > 1:
+                    # Alone while others train (it started late, or missed the group's round): the outer step
+                    # made this node's own inner parameters its anchor, which no later round would bring back to
+                    # the swarm's (their pseudo-gradients would differ, and be clipped as an outlier's). It takes
+                    # the swarm's state from a peer instead.
+                    logger.info("round of epoch %d was this node's alone while %d members train: loading the "
+                                "swarm's state from a peer", last_epoch, count)
+                    optimizer.load_state_from_peers()
                 local.restart()
                 round_start = True
                 round_seconds = ema(round_seconds, stepped - stepping)
