@@ -1,7 +1,8 @@
-"""`membership.wait_for_round`: a DiLoCo member that took its share of a round's steps holds until the round is due,
-the swarm's epoch moved on, training stops, or its limit passes. The optimizer is a stand-in with the two things
-the wait reads (its tracker's readiness and global epoch, and its own epoch): the real tracker is exercised end to
-end by tests/integration/test_local_swarm.py."""
+"""`membership.wait_for_round`: a DiLoCo member that took its share of a round's steps holds until every live
+member's share is in (the round's target, re-read while it waits), the swarm's epoch moved on, training stops, or
+its limit passes; meanwhile it reports no rate to the swarm, and it drops a matchmaking round scheduled early. The
+optimizer is a stand-in with what the wait reads and writes, around hivemind's real `PerformanceEMA`: the real
+tracker is exercised end to end by tests/integration/test_local_swarm.py."""
 
 from __future__ import annotations
 
@@ -11,34 +12,80 @@ from types import SimpleNamespace
 
 import pytest
 from gpuswarm.node.membership import wait_for_round
+from hivemind.utils.performance_ema import PerformanceEMA
 
 
-def optimizer(ready: bool = False, global_epoch: int = 3, local_epoch: int = 3) -> SimpleNamespace:
-    return SimpleNamespace(tracker=SimpleNamespace(ready_to_update_epoch=ready, global_epoch=global_epoch),
-                           local_epoch=local_epoch)
+class Tracker:
+    def __init__(self, samples: int, target: int, global_epoch: int):
+        self.global_progress = SimpleNamespace(samples_accumulated=samples)
+        self.target_batch_size, self.global_epoch = target, global_epoch
+        self.performance_ema = PerformanceEMA()
+        self.performance_ema.samples_per_second = 500.0
+        self.local_progress = SimpleNamespace(epoch=3, samples_accumulated=40)
+        self.reported: list[tuple[int, int, float]] = []
+
+    def report_local_progress(self, epoch: int, samples: int) -> None:
+        self.reported.append((epoch, samples, self.performance_ema.samples_per_second))
 
 
-def waited(opt: SimpleNamespace, stop: threading.Event | None = None, limit: float = 10.0,
-           change=None, after: float = 1.5) -> float:
+class Control:
+    def __init__(self, triggered: bool = False):
+        self.triggered, self.cancelled = triggered, False
+
+    def done(self) -> bool:
+        return self.cancelled
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def optimizer(samples: int = 40, target: int = 120, global_epoch: int = 3, scheduled=None) -> SimpleNamespace:
+    return SimpleNamespace(tracker=Tracker(samples, target, global_epoch), local_epoch=3, scheduled_grads=scheduled)
+
+
+def waited(opt: SimpleNamespace, stop: threading.Event | None = None, limit: float = 10.0, change=None,
+           after: float = 1.5, target=None) -> float:
     if change is not None:
         threading.Timer(after, change).start()
     began = time.monotonic()
-    wait_for_round(opt, stop or threading.Event(), limit)
+    wait_for_round(opt, stop or threading.Event(), target, limit)
     return time.monotonic() - began
 
 
-def test_it_returns_at_once_when_the_round_is_due_or_the_swarm_moved_on():
-    assert waited(optimizer(ready=True)) < 1.0
+def test_it_returns_at_once_when_every_share_is_in_or_the_swarm_moved_on():
+    assert waited(optimizer(samples=120)) < 1.0
     assert waited(optimizer(global_epoch=4)) < 1.0
 
 
-@pytest.mark.parametrize("what", ["ready", "epoch", "stop"])
-def test_it_holds_until_the_round_is_due_the_epoch_moves_or_training_stops(what):
-    opt, stop = optimizer(), threading.Event()
-    change = {"ready": lambda: setattr(opt.tracker, "ready_to_update_epoch", True),
-              "epoch": lambda: setattr(opt.tracker, "global_epoch", 4), "stop": stop.set}[what]
-    assert 1.5 <= waited(opt, stop, change=change) < 6.0
+@pytest.mark.parametrize("what", ["samples", "epoch", "stop", "a member left"])
+def test_it_holds_until_the_shares_are_in_the_epoch_moves_or_training_stops(what):
+    opt, stop, target = optimizer(), threading.Event(), [120]
+    change = {"samples": lambda: setattr(opt.tracker.global_progress, "samples_accumulated", 120),
+              "epoch": lambda: setattr(opt.tracker, "global_epoch", 4), "stop": stop.set,
+              "a member left": lambda: target.__setitem__(0, 40)}[what]
+    assert 1.5 <= waited(opt, stop, change=change, target=lambda: target[0]) < 6.0
+    if what == "a member left":
+        assert opt.tracker.target_batch_size == 40  # the round's target follows the live members' shares
 
 
 def test_it_gives_up_after_its_limit():
     assert 1.5 <= waited(optimizer(), limit=1.5) < 6.0
+
+
+def test_while_it_waits_it_tells_the_swarm_it_adds_no_samples_and_then_goes_on_at_its_rate():
+    opt = optimizer()
+    waited(opt, change=lambda: setattr(opt.tracker, "global_epoch", 4), after=0.3)
+    [(epoch, samples, rate)] = opt.tracker.reported
+    assert (epoch, samples) == (3, 40) and rate < 1e-10  # its share, and no more to come
+    assert opt.tracker.performance_ema.samples_per_second == 500.0  # its next steps count at its own pace
+
+
+def test_a_matchmaking_round_scheduled_early_is_dropped_and_a_running_one_kept():
+    early = Control()
+    opt = optimizer(samples=120, scheduled=early)
+    waited(opt)
+    assert early.cancelled and opt.scheduled_grads is None
+    running = Control(triggered=True)
+    opt = optimizer(samples=120, scheduled=running)
+    waited(opt)
+    assert not running.cancelled and opt.scheduled_grads is running
