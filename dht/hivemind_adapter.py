@@ -25,6 +25,10 @@ What is used, and why:
   decoded with, by compression type. hivemind 1.1.12's 8-bit codecs read their codebook size with `int()` of a
   one-element array, which NumPy 2.x refuses (TypeError): every 8-bit round then ends with half its parts missing
   ("Reducer: received 50.0% of input tensors"). The fix registers the same codecs with that one read corrected.
+- `hivemind.Optimizer._maybe_schedule_gradient_averaging` and `_maybe_schedule_state_averaging` (`optimizer_class`):
+  the Optimizer starts matchmaking ahead of a round it expects soon, even when no other peer is in the run. A lone
+  member then spends the matchmaking time (seconds of CPU in its averager, DHT and p2pd) looking for a group that
+  cannot exist; the subclass schedules ahead only while the tracker sees other peers.
 - `DecentralizedAverager`'s keyword arguments (`averager_options`) and hivemind's compressions
   (`averager_compression`): the settings every averaging round of gpuswarm runs with, in one place
   (docs/decisions/0018-allreduce-where-the-time-goes.md says what was measured and why these values).
@@ -205,6 +209,32 @@ def averager_compression(name: str):
         return SizeAdaptiveCompression(EIGHT_BIT_MIN_NUMEL, less=Float16Compression(),
                                        greater_equal=Uniform8BitQuantization())
     raise ValueError(f"unknown averaging compression {name!r}; one of {', '.join(AVERAGING_COMPRESSIONS)}")
+
+
+def optimizer_class():
+    """`hivemind.Optimizer`, except that it schedules matchmaking ahead of a round (gradients or state) only while
+    its tracker sees other peers in the run. hivemind schedules it whenever its estimate says the round is near,
+    alone or not; a lone member then spent about 10 s of every few rounds matchmaking for nobody, at a third of its
+    CPU (the averager, the DHT and p2pd; seen under a 0.4 CPU quota in `scripts/bench/run scaling`). A round with
+    peers but no group scheduled ahead still matchmakes when it starts, as hivemind does."""
+    global _OPTIMIZER
+    if _OPTIMIZER is None:
+        import hivemind
+
+        class Optimizer(hivemind.Optimizer):
+            def _maybe_schedule_gradient_averaging(self) -> None:
+                if self.tracker.global_progress.num_peers > 1:
+                    super()._maybe_schedule_gradient_averaging()
+
+            def _maybe_schedule_state_averaging(self) -> None:
+                if self.tracker.global_progress.num_peers > 1:
+                    super()._maybe_schedule_state_averaging()
+
+        _OPTIMIZER = Optimizer
+    return _OPTIMIZER
+
+
+_OPTIMIZER = None
 
 
 def install_robust_reducer(outlier_log: str | None = None) -> None:

@@ -277,9 +277,13 @@ class SharedParams:
 
 def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, settings: Settings,
         inputs: Inputs = Inputs(), max_seconds: float | None = None, authority: str = "") -> int:
-    import hivemind
     import torch
-    from gpuswarm.dht.hivemind_adapter import averager_compression, averager_options, install_robust_reducer
+    from gpuswarm.dht.hivemind_adapter import (
+        averager_compression,
+        averager_options,
+        install_robust_reducer,
+        optimizer_class,
+    )
     from gpuswarm.dht.swarm import SwarmDHT
     from gpuswarm.dht.validators import validators
     from gpuswarm.node.attest import ClaimAttestor, RoundResult
@@ -385,7 +389,8 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         install_robust_reducer(str(workdir / "outliers.jsonl"))  # before hivemind forks its averagers
         if (factor := byzantine_fault()) is not None:
             poison_outgoing_parts(factor)
-        optimizer = hivemind.Optimizer(
+        # hivemind.Optimizer that matchmakes ahead of a round only when it has peers (hivemind_adapter).
+        optimizer = optimizer_class()(
             dht=dht, run_id=a.run_id, target_batch_size=target,
             batch_size_per_step=hello.batch_size, params=shared.params, optimizer=outer.build,
             matchmaking_time=hello.matchmaking_time, averaging_timeout=hello.averaging_timeout,

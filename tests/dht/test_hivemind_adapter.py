@@ -4,7 +4,10 @@ here rather than in `gpuswarm dht` output or in the advert validator."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -169,6 +172,59 @@ def test_run_key_suffixes_are_the_keys_a_real_optimizer_uses():
         if opt is not None:
             opt.shutdown()
         dht.shutdown()
+
+
+def _schedules_ahead(cls_name: str, run: str, target: int, seconds: float,
+                     initial_peers: tuple[str, ...] = ()) -> tuple[bool, bool]:
+    """Step an optimizer (`cls_name`: "hivemind" or "ours") on its own DHT at about 20 samples/s, rounds of `target`
+    samples, for at most `seconds`. Returns (it scheduled matchmaking ahead of a round, its estimate of a round's
+    end fell within the matchmaking time), stopping at the first schedule."""
+    import torch
+    from hivemind.utils import get_dht_time
+
+    cls = hivemind.Optimizer if cls_name == "hivemind" else adapter.optimizer_class()
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    opt, near = None, False
+    try:
+        opt = cls(dht=dht, run_id=run, target_batch_size=target, batch_size_per_step=1, params=params,
+                  optimizer=lambda q: torch.optim.SGD(q, lr=0.1), matchmaking_time=5.0, averaging_timeout=10.0,
+                  tracker_opts={"max_refresh_period": 0.5}, verbose=False)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            params[0].grad = torch.ones(2)
+            opt.step()
+            if opt.scheduled_grads is not None:
+                return True, True
+            near = near or opt.tracker.estimated_next_update_time - get_dht_time() <= 5.0
+            time.sleep(0.05)
+        return False, near
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_lone_optimizer_does_not_matchmake_ahead_and_one_with_peers_does():
+    # hivemind's own Optimizer schedules a round ahead even alone, once its estimate of the round's end falls within
+    # the matchmaking time: what the subclass is for.
+    assert _schedules_ahead("hivemind", "gpuswarm_j_00000000b1b1", 100, 20) == (True, True)
+    assert _schedules_ahead("ours", "gpuswarm_j_00000000b2b2", 100, 10) == (False, True)
+    # With a second peer in the run it schedules ahead, as hivemind does. The peer is another process: hivemind's
+    # progress records are keyed by a process-wide key, so two trackers in one process count as one peer.
+    host = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = tuple(str(m) for m in host.get_visible_maddrs())
+    run = "gpuswarm_j_00000000b3b3"
+    other = subprocess.Popen([sys.executable, "-c", "import sys, test_hivemind_adapter as t; "
+                              "t._schedules_ahead('ours', sys.argv[1], 400, 60.0, tuple(sys.argv[2:]))", run, *peers],
+                             cwd=Path(__file__).parent)
+    try:
+        assert _schedules_ahead("ours", run, 400, 60.0, peers)[0]
+    finally:
+        other.kill()
+        other.wait()
+        host.shutdown()
 
 
 def test_8bit_codecs_decode_after_the_fix():
