@@ -64,6 +64,8 @@ def start(
     sandbox_processes: Annotated[int | None, typer.Option(help=_help("sandbox_processes"))] = None,
     step_timeout: Annotated[float | None, typer.Option(help=_help("step_timeout"))] = None,
     max_job_hours: Annotated[float | None, typer.Option(help=_help("max_job_hours"))] = None,
+    warm_worker: Annotated[bool | None, typer.Option("--warm-worker/--no-warm-worker",
+                                                     help=_help("warm_worker"))] = None,
     log_level: Annotated[str | None, typer.Option(help=_help("log_level"))] = None,
     log_format: Annotated[str | None, typer.Option(help=_help("log_format"))] = None,
 ) -> None:
@@ -81,8 +83,8 @@ def start(
                              mesh=mesh, listen_port=listen_port, endpoints=endpoint, metrics_port=metrics_port,
                              metrics_host=metrics_host, allow_custom_code=allow_custom_code, cache_gb=cache_gb,
                              sandbox_memory_gb=sandbox_memory_gb, sandbox_processes=sandbox_processes,
-                             step_timeout=step_timeout, max_job_hours=max_job_hours, log_level=log_level,
-                             log_format=log_format)
+                             step_timeout=step_timeout, max_job_hours=max_job_hours, warm_worker=warm_worker,
+                             log_level=log_level, log_format=log_format)
     s = settings
     coordinator, state_dir, host, allow_custom_code = s.coordinator, s.state_dir, s.host, s.allow_custom_code
     logs.configure(s.log_level, s.log_format, "node")
@@ -108,7 +110,7 @@ def start(
                              price_per_gpu_hour=s.price, endpoints=[host], mesh=s.mesh, mesh_listen_port=s.listen_port,
                              mesh_endpoints=s.endpoints, metrics_host=s.metrics_host, metrics_port=s.metrics_port,
                              allow_custom_code=allow_custom_code, cache_max_bytes=int(s.cache_gb * 1024**3),
-                             max_job_hours=s.max_job_hours, datasets=dict(s.datasets),
+                             max_job_hours=s.max_job_hours, datasets=dict(s.datasets), warm_worker=s.warm_worker,
                              sandbox=Settings(limits=limits, answer_timeout=s.step_timeout))
 
     async def main() -> None:

@@ -73,6 +73,7 @@ class NodeConfig:
     sandbox: Settings = field(default_factory=Settings)  # how jobs' code runs: limits, the time for one step
     max_job_hours: float | None = None  # wall-time limit of one job on this node
     datasets: dict[str, Path] = field(default_factory=dict)  # node-local datasets for federated jobs, by name
+    warm_worker: bool = False  # keep a warm training process while idle (JobRunner.keep_spare)
 
 
 @dataclass
@@ -98,7 +99,7 @@ class NodeDaemon:
         self.runner = JobRunner(config.state_dir / "jobs", config.host, self._on_event,
                                 signer=key_signer(identity.private_key)[0], gpu_count=resources.gpu_count,
                                 settings=config.sandbox, max_hours=config.max_job_hours,
-                                binder=lambda payload: identity.sign(KEY_KIND, payload))
+                                binder=lambda payload: identity.sign(KEY_KIND, payload), spare=config.warm_worker)
         self.cache = ArtifactCache(config.state_dir / "cache", config.cache_max_bytes)
         self._preparing: dict[str, asyncio.Task] = {}  # job id -> fetching its inputs, then starting it
         self._preparing_for: dict[str, Assignment] = {}
@@ -163,6 +164,8 @@ class NodeDaemon:
             await self._heartbeat()
         if self.registered and self.reachable:
             await self._sync_assignments()
+        if self.advertiser.dht is not None and not self._preparing:  # started, and idle unless a job runs
+            await self.runner.keep_spare()
         await self._flush_uploads()
         await self._flush_outbox()
         self.transition(stop_requested=False)
