@@ -39,6 +39,7 @@ from gpuswarm.proto.models import PROGRESS_MARGIN, Assignment, ContributionClaim
 from gpuswarm.proto.signing import SignedEnvelope
 
 logger = logging.getLogger(__name__)
+SPARE_DEATHS = 3  # spares that exit before any job takes them, after which jobs' workers start cold
 REPLAY_TIMEOUT = 240.0  # seconds a referee's replay of one round may take (the coordinator waits 300)
 
 
@@ -122,6 +123,7 @@ class JobRunner:
         self._starting = asyncio.Lock()  # one start at a time: a GPU is reserved before the next start looks
         self.keeps_spare = spare  # keep a warm worker while idle (`keep_spare`)
         self.spare: asyncio.subprocess.Process | None = None
+        self._spare_deaths = 0
 
     def free_gpus(self) -> list[int]:
         """GPUs no live training process holds (a process that exited frees its GPUs at once)."""
@@ -182,10 +184,17 @@ class JobRunner:
 
     async def keep_spare(self) -> None:
         """Start a spare worker (`worker.wait_as_spare`) when this node runs no job and has none alive: the next
-        job's worker is then already warm, about 5 CPU-seconds sooner (12 s under a 0.4 CPU quota). For the daemon
-        to call while it is idle; the spare is spent by the next `start`."""
-        if not self.keeps_spare or self.running or (self.spare is not None and self.spare.returncode is None):
+        job's worker is then already warm, about 6 CPU-seconds sooner (15 s under a 0.4 CPU quota). For the daemon
+        to call while it is idle; the spare is spent by the next `start`. After SPARE_DEATHS spares in a row exited
+        before a job took them, it stops trying (no restart loop of a spare that cannot start)."""
+        if not self.keeps_spare or self.running:
             return
+        if self.spare is not None:
+            if self.spare.returncode is None:
+                return
+            self._spare_died(self.spare)
+            if not self.keeps_spare:
+                return
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         with open(self.jobs_dir / "spare.log", "wb") as log:
             self.spare = await self._spawn_worker([SPARE_FLAG], {}, log)
@@ -193,7 +202,10 @@ class JobRunner:
     async def _take_spare(self, args: list[str], env: dict[str, str], log: Path) -> asyncio.subprocess.Process | None:
         """The spare, handed this job (its arguments, environment and log); None if there is no live one."""
         spare, self.spare = self.spare, None
-        if spare is None or spare.returncode is not None:
+        if spare is None:
+            return None
+        if spare.returncode is not None:
+            self._spare_died(spare)
             return None
         try:
             spare.stdin.write(json.dumps({"argv": args, "env": env, "log": str(log)}).encode() + b"\n")
@@ -201,8 +213,19 @@ class JobRunner:
         except (BrokenPipeError, ConnectionResetError):  # it died meanwhile: a job never waits on a spare
             kill_group(spare.pid)
             await spare.wait()
+            self._spare_died(spare)
             return None
+        self._spare_deaths = 0
         return spare
+
+    def _spare_died(self, spare: asyncio.subprocess.Process) -> None:
+        self.spare = None
+        self._spare_deaths += 1
+        if self._spare_deaths >= SPARE_DEATHS and self.keeps_spare:
+            self.keeps_spare = False
+            logger.warning("the spare worker exited %d times before a job took it (last exit code %s; see %s): "
+                           "jobs' workers start cold from now on", self._spare_deaths, spare.returncode,
+                           self.jobs_dir / "spare.log")
 
     async def drop_spare(self) -> None:
         spare, self.spare = self.spare, None

@@ -7,6 +7,7 @@ import asyncio
 
 import psutil
 import pytest
+from gpuswarm.node import runner as runner_module
 from gpuswarm.node.runner import JobRunner
 from gpuswarm.node.trainer_link import Settings
 from gpuswarm.node.worker import THREADS_ENV
@@ -63,5 +64,27 @@ def test_a_job_starts_in_the_warm_spare_with_its_own_log_and_environment(tmp_pat
         assert len(spares()) == 1
         await runner.stop_all(timeout=5)  # the node stops: the spare goes with it
         assert runner.spare is None and spares() == []
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_a_spare_that_cannot_start_is_given_up_after_a_few_tries(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(runner_module, "SPARE_FLAG", "--no-such-flag")  # the worker refuses it and exits with 2
+    runner = JobRunner(tmp_path / "jobs", "127.0.0.1", lambda job, event: None, signer=lambda payload: None,
+                       settings=Settings(sandboxed=False), spare=True)
+
+    async def scenario():
+        started = []
+        for _ in range(runner_module.SPARE_DEATHS + 2):
+            await runner.keep_spare()
+            if runner.spare is not None:
+                started.append(runner.spare)
+                assert await asyncio.wait_for(runner.spare.wait(), 60) == 2
+        assert len(started) == runner_module.SPARE_DEATHS and not runner.keeps_spare
+        assert "jobs' workers start cold from now on" in caplog.text
+        job = await runner.start(assignment(1))  # a job still starts, cold
+        assert job.process not in started
+        await runner.stop_all(timeout=5)
 
     asyncio.run(scenario())
