@@ -52,14 +52,16 @@ Score (higher is better; natural-log scale, so +0.69 weighs as much as halving t
   unknown RTT at up to twice the ask (plus c), and a far one at up to four times, no more.
 
 Cost: nodes with spare capacity are grouped by capability (CPU, or GPU models, smallest GPU memory; verified;
-custom code allowed)
-and each group is sorted once by `node_score`. A job looks only at the groups that meet its requirements and walks
-each from its best node, skipping nodes without room for its GPUs per node (a union-find "next node with room"
-pointer per group and GPU count), until it has what it wants. When the bid rules out most of a group, the walk
-falls back to the group's nodes sorted by ask, scanning only those within the bid. For a job with members, the few
-candidates with a known RTT to them are found through an index of who measured whom and scored apart; every other
-candidate's RTT term is 0, so the walks stay exact. A pass costs about O(N log N) plus, per job, the groups and the
-nodes it looks at, instead of O(jobs x nodes). scripts/bench/market.py measures it.
+custom code allowed; datasets) and each group is sorted once by `node_score`, and once by ask. A job looks only at
+the groups that meet its requirements and walks each from its best node, skipping nodes without room for its GPUs per
+node (a union-find "next node with room" pointer per group and GPU count), until it has what it wants. When the bid
+rules out most of the nodes a walk meets (late in a pass the cheap nodes are full), the walk falls back after a few
+steps to the group's nodes sorted by ask, scanning only those within the bid. For a job with members, the few
+candidates with a known RTT to them are found through the members' own RTT maps and an index of the candidates'
+measurements to members, by member (built in one pass over the candidates' maps, for the members of the jobs that
+want nodes), and scored apart; every other candidate's RTT term is 0, so the walks stay exact. A pass costs about
+O(N log N) plus, per job, the groups and the nodes it looks at, instead of O(jobs x nodes). scripts/bench/market.py
+measures it.
 """
 
 from __future__ import annotations
@@ -72,7 +74,6 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress
 from operator import attrgetter
 
 from gpuswarm.proto.models import JobSpec, JobState, Requirements, Resources
@@ -127,6 +128,15 @@ class Match:
     price_per_gpu_hour: float = 0.0  # the clearing price: the node's ask (pay-as-bid reverse auction)
 
 
+def _new_match(job_id: str, node_id: str, shard_index: int, num_shards: int, gpus: int, price: float) -> Match:
+    """`Match(...)`, the same instance (the same fields in the same order), without the frozen dataclass's
+    `__init__`: its six object.__setattr__ calls made a twentieth of a pass at 100,000 nodes."""
+    match = object.__new__(Match)
+    vars(match).update(job_id=job_id, node_id=node_id, shard_index=shard_index, num_shards=num_shards, gpus=gpus,
+                       price_per_gpu_hour=price)
+    return match
+
+
 def capacity(resources: Resources) -> int:
     """GPUs a node offers; a CPU-only node offers one slot."""
     return resources.gpu_count or 1
@@ -176,8 +186,10 @@ def _clip(x: float) -> float:
 
 def node_score(node: NodeView, median: float | None) -> float:
     """The job-independent part of the score: ask, reputation and throughput (the bid term left out)."""
-    score = -math.log(max(node.price_per_gpu_hour, 0.0) + PRICE_FLOOR)
-    score += W_REPUTATION * (min(max(node.reputation, 0.0), 1.0) - 0.5)
+    # max(ask, 0.0) and min(max(reputation, 0.0), 1.0) without the calls (twice as fast, once per node and pass)
+    ask, reputation = node.price_per_gpu_hour, node.reputation
+    score = -math.log((0.0 if ask < 0.0 else ask) + PRICE_FLOOR)
+    score += W_REPUTATION * ((0.0 if reputation < 0.0 else 1.0 if reputation > 1.0 else reputation) - 0.5)
     t = node.throughput
     if t is not None and t > 0 and median:
         score += W_THROUGHPUT * _clip(math.log(t / median))
@@ -200,7 +212,7 @@ def mean_rtt_ms(node: NodeView, members: Iterable[str], nodes_by_id: Mapping[str
 def rtt_bonus(mean_rtt: float | None) -> float:
     if mean_rtt is None:
         return 0.0
-    return W_RTT * _clip(math.log(RTT_REF_MS / max(mean_rtt, 1e-3)))
+    return W_RTT * _clip(math.log(RTT_REF_MS / (1e-3 if mean_rtt < 1e-3 else mean_rtt)))  # max() without the call
 
 
 class _Room:
@@ -216,12 +228,9 @@ class _Room:
 
     def next(self, j: int) -> int:
         parent = self.parent
-        root = j
-        while parent[root] != root:
-            root = parent[root]
-        while parent[j] != root:
-            parent[j], j = root, parent[j]
-        return root
+        while parent[j] != j:  # path halving: each position passed points two further on
+            parent[j] = j = parent[parent[j]]
+        return j
 
     def close(self, pos: int) -> None:
         self.parent[pos] = pos + 1
@@ -274,6 +283,7 @@ def _capability(node: NodeView) -> tuple:
 
 
 _NO_DATASETS: frozenset[str] = frozenset()
+_NO_RTTS: Mapping = {}
 
 
 def _datasets(resources) -> frozenset[str]:
@@ -321,9 +331,10 @@ def _match(jobs: Iterable[JobView], nodes: Sequence[NodeView], now: float, liven
         found = market.best(job, want, need)
         if len(found) < need:
             continue  # a pending job below min_nodes holds nothing (backfill)
+        gpus, num_shards = spec.gpus_per_node, spec.max_nodes
         for i, shard in zip(found, spare, strict=False):
-            market.take(i, spec.gpus_per_node)
-            out.append(Match(job.id, market.ids[i], shard, spec.max_nodes, spec.gpus_per_node, market.ask[i]))
+            market.take(i, gpus)
+            out.append(_new_match(job.id, market.ids[i], shard, num_shards, gpus, market.ask[i]))
     return out
 
 
@@ -366,7 +377,6 @@ class _Market:
             rank[j] = i
         self.ids = ids = [ids[j] for j in by_id]
         self.free = [free[j] for j in by_id]
-        self.cand = cand = [found[j] for j in by_id]
         self.ask = ask = [asks[j] for j in by_id]
         self.base = base = [scores[j] for j in by_id]
         self.index_of = dict(zip(ids, range(len(ids)), strict=True))
@@ -381,24 +391,26 @@ class _Market:
         self.plain = plain = not any(map(math.isnan, base)) and not any(map(math.isnan, ask))
         self.neg = [-x for x in base]  # candidates rank by (-score, i): best first, ties to the smaller id
         self.groups = [_Group(key, idx, base, ask, plain) for key, idx in by_capability.items()]
-        self.group_of = group_of = [0] * len(cand)
-        self.position = position = [0] * len(cand)
+        self.group_of = group_of = [0] * len(ids)
+        self.position = position = [0] * len(ids)
         self.group_number = {id(grp): g for g, grp in enumerate(self.groups)}
         for g, grp in enumerate(self.groups):
             for pos, i in enumerate(grp.order):
                 group_of[i] = g
                 position[i] = pos
-        self.serving: dict[tuple, tuple[list[_Group], frozenset[int]]] = {}
-        # Who measured an RTT to a member of a job that wants nodes, by member id. Only the candidates in here or in
-        # a member's own map can have an RTT term; every other candidate's term is 0.
+        self.serving: dict[tuple, tuple[list[tuple[_Group, _Room]], frozenset[int]]] = {}  # by (requirements, GPUs)
+        # The RTTs measured to a member of a job that wants nodes, by member id: measured_to[m][i] is candidate i's
+        # own measurement. Only the candidates in here or in a member's own map can have an RTT term; every other
+        # candidate's term is 0.
         wanted = set().union(*(j.members for j in wanting))
         self.members_by_id = {n.id: n for n in nodes if n.id in wanted} if wanted else {}
-        self.measured_to: defaultdict[str, list[int]] = defaultdict(list)
+        self.measured_to: defaultdict[str, dict[int, float]] = defaultdict(dict)
         if wanted:
             measured_to = self.measured_to
-            for j, n in enumerate(found):
-                for m in n.rtt_ms.keys() & wanted:
-                    measured_to[m].append(rank[j])
+            for i, n in zip(rank, found, strict=True):
+                rtt = n.rtt_ms
+                for m in wanted.intersection(rtt):
+                    measured_to[m][i] = rtt[m]
 
     def take(self, i: int, gpus: int) -> None:
         before = self.free[i]
@@ -417,13 +429,14 @@ class _Market:
         allow_cpu_slot = req.allow_cpu and gpus == 1 and req.min_gpu_memory_gb == 0 and allowed is None
         key = (allow_cpu_slot, req.min_gpu_memory_gb, allowed, req.verified_only, spec.custom_code,
                spec.local_dataset)
-        if (serving := self.serving.get(key)) is None:
+        if (serving := self.serving.get((key, gpus))) is None:
             groups = [grp for grp in self.groups if grp.serves(*key)]
             if self.plain:
                 groups.sort(key=attrgetter("head"))  # the group with the best node first (see below)
-            serving = self.serving[key] = (groups, frozenset(self.group_number[id(grp)] for grp in groups))
+            serving = self.serving[key, gpus] = ([(grp, grp.room(gpus, self.free)) for grp in groups],
+                                                 frozenset(self.group_number[id(grp)] for grp in groups))
         groups, group_numbers = serving
-        if sum(grp.room(gpus, self.free).count for grp in groups) < need:
+        if sum(room.count for _, room in groups) < need:
             return []  # not enough nodes with room, whatever their price
         bid = math.inf if spec.max_price_per_gpu_hour is None else spec.max_price_per_gpu_hour
         found: list[tuple[float, int]] = []  # (-score, i): ascending is best first
@@ -434,23 +447,24 @@ class _Market:
         # it ends them all. (NaN scores compare false both ways: a market with one is walked whole.)
         skip = {i for m in job.members | job.excluded if (i := self.index_of.get(m)) is not None}
         near: set[int] = set()
+        rtts: list[tuple[Mapping[int, float], Mapping[str, float]]] = []  # per member: (own, theirs), see below
         if job.members:
             index_get = self.index_of.get
             heard: list[Iterable[int | None]] = []
             for m in job.members:
-                if (member := self.members_by_id.get(m)) is not None and member.rtt_ms:
-                    heard.append(map(index_get, member.rtt_ms))  # None: not a candidate
-                if (measured := self.measured_to.get(m)) is not None:
-                    heard.append(measured)
+                own = self.measured_to.get(m, _NO_RTTS)  # the candidates' measurements to m, by candidate
+                theirs = member.rtt_ms if (member := self.members_by_id.get(m)) is not None else _NO_RTTS  # m's
+                rtts.append((own, theirs))
+                heard += (map(index_get, theirs), own)  # None: not a candidate
             near = set().union(*heard)
             near.discard(None)
             near -= skip
             skip |= near
         floor = math.inf
-        for grp in groups:
+        for grp, room in groups:
             if grp.head > floor:
                 break
-            if got := self._walk(grp, want, gpus, bid, skip, floor):
+            if got := self._walk(grp, room, want, gpus, bid, skip, floor):
                 found += got
                 found.sort()
                 del found[want:]
@@ -458,59 +472,40 @@ class _Market:
                     floor = found[-1][0]
         if near:
             # The RTT term adds at most MAX_RTT_BONUS: a near candidate whose base is further than that below the
-            # floor cannot reach it, and only the others need their mean RTT.
-            # The tests run in C (map and compress: no bytecode per candidate), one list after another; only the
-            # candidates that pass them all cost a mean RTT.
-            able = list(near)
-            for values, test in ((self.group_of, group_numbers.__contains__), (self.free, gpus.__le__),
-                                 (self.ask, float(bid).__ge__)):
-                able = list(compress(able, map(test, map(values.__getitem__, able))))
-            if self.plain:
-                reach = floor + MAX_RTT_BONUS + 1e-9  # the slack: rounding never leaves out one that reaches it
-                able = compress(able, map(reach.__ge__, map(self.neg.__getitem__, able)))
-            if able := set(able):
-                base = self.base
-                for i, mean in self._mean_rtts(job.members, able).items():
-                    found.append((-(base[i] + rtt_bonus(mean)), i))
+            # floor cannot reach it, and only the others need their mean RTT (the slack: rounding never leaves out
+            # one that reaches it). Without a floor (a market with a NaN has none) nothing is out of reach, and "not
+            # above" keeps a NaN. A set, iterated in the order that ranks NaN scores as before.
+            group_of, free, ask, neg, base, ids = self.group_of, self.free, self.ask, self.neg, self.base, self.ids
+            reach = floor + MAX_RTT_BONUS + 1e-9
+            able = {i for i in near
+                    if group_of[i] in group_numbers and free[i] >= gpus and ask[i] <= bid and not neg[i] > reach}
+            for i in able:
+                # mean_rtt_ms: the candidate's own measurement first, over the members in the same order: same float
+                total, count, node_id = 0.0, 0, ids[i]
+                for own, theirs in rtts:
+                    rtt = own[i] if i in own else theirs[node_id] if node_id in theirs else None
+                    if rtt is not None and rtt >= 0:  # NaN and negative values count as unknown
+                        total += rtt
+                        count += 1
+                found.append((-(base[i] + rtt_bonus(total / count if count else None)), i))
             found.sort()
             del found[want:]
         return [i for _, i in found]
 
-    def _mean_rtts(self, members: frozenset[str], able: set[int]) -> dict[int, float | None]:
-        """`mean_rtt_ms` of each candidate in `able` (by index) to `members`: the same floats, since each
-        candidate's sum runs over the members in the same order, but member by member, which looks only at the
-        measurements that exist instead of at every pair."""
-        sums: dict[int, list] = {}
-        cand, ids, index_get = self.cand, self.ids, self.index_of.get
-        for m in members:
-            own = able.intersection(self.measured_to.get(m, ()))  # the candidate's own measurement comes first
-            pairs = [(i, cand[i].rtt_ms[m]) for i in own]
-            if (member := self.members_by_id.get(m)) is not None and member.rtt_ms:
-                theirs = able.intersection(map(index_get, member.rtt_ms))
-                theirs -= own
-                pairs += [(i, member.rtt_ms[ids[i]]) for i in theirs]
-            for i, rtt in pairs:
-                if rtt >= 0:  # NaN and negative values count as unknown
-                    if (acc := sums.get(i)) is None:
-                        sums[i] = [rtt, 1]
-                    else:
-                        acc[0] += rtt
-                        acc[1] += 1
-        return {i: (sums[i][0] / sums[i][1] if i in sums else None) for i in able}
-
-    def _walk(self, grp: _Group, want: int, gpus: int, bid: float, skip: set[int],
+    def _walk(self, grp: _Group, room: _Room, want: int, gpus: int, bid: float, skip: set[int],
               floor: float) -> list[tuple[float, int]]:
         """The group's first `want` candidates in score order that have room, are within the bid and not skipped,
         as (-score, i), none of them with -score above `floor`."""
         order, size = grp.order, len(grp.order)
         within_bid = size if bid == math.inf else bisect_right(grp.asks, bid)
-        room = grp.room(gpus, self.free)
         if within_bid == 0 or room.count == 0:
             return []
         ask, neg = self.ask, self.neg
-        # Walking in score order wastes steps on nodes above the bid; past `within_bid` steps, scanning the nodes
-        # within the bid (sorted by ask) is cheaper, and the walk switches to it.
-        budget = within_bid if within_bid < size else size + 1
+        # Walking in score order wastes steps on nodes above the bid (late in a pass, when the cheap nodes are full,
+        # most of those it meets); past `within_bid // 8` steps (a step costs about 8 times a scanned node), scanning
+        # the nodes within the bid, sorted by ask, is cheaper, and the walk switches to it. (In a market with a NaN
+        # the two can rank differently: it switches where it always did, at `within_bid`.)
+        budget = (within_bid // 8 if self.plain else within_bid) if within_bid < size else size + 1
         steps = 0
         got: list[tuple[float, int]] = []
         parent = room.parent
@@ -527,8 +522,8 @@ class _Market:
             if steps > budget:
                 return _scan_within_bid(grp, within_bid, want, gpus, skip, self.free, neg)
             j += 1
-            if parent[j] != j:  # most positions have room: look the next one up only past one that has not
-                j = room.next(j)
+            while parent[j] != j:  # room.next(j) inline (a call per node without room costs more than the loop)
+                parent[j] = j = parent[parent[j]]
         return got
 
 

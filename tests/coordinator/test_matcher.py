@@ -330,6 +330,14 @@ def test_equal_scores_go_to_the_smaller_node_id():
     assert run([job("j1", max_nodes=2)], nodes) == [Match("j1", "a", 0, 2), Match("j1", "b", 1, 2)]
 
 
+def test_matches_are_built_as_the_dataclass_builds_them():
+    fast, plain = matcher._new_match("j1", "n1", 3, 8, 2, 0.5), Match("j1", "n1", 3, 8, 2, 0.5)
+    assert fast == plain and hash(fast) == hash(plain) and repr(fast) == repr(plain)
+    assert list(vars(fast).items()) == list(vars(plain).items())
+    with pytest.raises(AttributeError):  # still frozen
+        fast.gpus = 1
+
+
 # --- a plain reference: every rule, O(jobs x nodes) -----------------------------------------------------------
 
 
