@@ -80,6 +80,10 @@ def validation_details(error: ValidationError) -> list[dict]:
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
+        if "\x00" in request.path or any("\x00" in k or "\x00" in v for k, v in request.query.items()):
+            # PostgreSQL text cannot hold NUL (SQLite would look it up): refused for every route and database alike,
+            # as read_json refuses it in bodies.
+            raise Unprocessable("the URL must not contain NUL characters (%00)", code="nul_character")
         return await handler(request)
     except ApiError as e:
         return web.json_response(error_body(e.code, e.message, e.details), status=e.status)

@@ -68,6 +68,12 @@ async def test_failure_reason_with_a_nul_character_is_422(client: TestClient, as
         "node_id": node.node_id, "state": "idle", "failures": [{"job_id": job_id, "reason": "oom\x00"}]}))
 
 
+@pytest.mark.parametrize("url", ["/v1/nodes/%00/challenges", "/v1/jobs/j%00", "/v1/jobs?state=%00"])
+async def test_a_url_with_a_nul_character_is_422(client: TestClient, url: str):
+    # Found by tests/coordinator/test_fuzz_api.py: PostgreSQL refused the lookup of a node id holding NUL (a 500).
+    await rejected(client, "GET", url, 422, "nul_character")
+
+
 async def test_concurrent_replays_of_one_message_are_accepted_once(client: TestClient):
     node = await register(client)
     body = json.dumps(signed(node, "heartbeat", {"node_id": node.node_id, "state": "idle"}))
