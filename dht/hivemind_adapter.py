@@ -174,7 +174,7 @@ def fix_8bit_codecs() -> None:
         serialization._BASE_COMPRESSION_TYPES[name] = fixed()
 
 
-def averager_options(bandwidth_mbit: float | None = None) -> dict[str, Any]:
+def averager_options(bandwidth_mbit: float | None = None, group_size: int | None = None) -> dict[str, Any]:
     """Keyword arguments for hivemind's averagers: `DecentralizedAverager(..., **averager_options())`, or
     `hivemind.Optimizer(averager_opts={**averager_options(), ...})`, which passes them to its gradient and state
     averagers. Compression is not among them (the Optimizer takes it as `grad_compression=` and
@@ -183,8 +183,16 @@ def averager_options(bandwidth_mbit: float | None = None) -> dict[str, Any]:
     `bandwidth_mbit`, this node's measured link speed, is declared to the group: hivemind gives each peer a share of
     the vector to reduce in proportion to the bandwidths declared, so a slow link reduces less (every peer declaring
     None means equal shares). Raises ValueError for a negative or non-finite bandwidth (hivemind asserts instead).
+
+    `group_size`, the most peers a round can have (a job's max_nodes), becomes hivemind's `target_group_size`: a
+    leader starts the round as soon as that many have joined it. Without it a leader always waits out its
+    matchmaking time, seconds of every round, even when every member joined at once (members of a DiLoCo round
+    finish their inner steps together). A group that is not full still waits it out and then runs with the peers it
+    has (at least `min_group_size`), as before. A size of 1 or None sets nothing: a lone node never matchmakes.
     """
     options: dict[str, Any] = {"part_size_bytes": AVERAGING_PART_SIZE_BYTES}
+    if group_size is not None and group_size > 1:
+        options["target_group_size"] = int(group_size)
     if bandwidth_mbit is not None:
         if not isinstance(bandwidth_mbit, int | float) or not math.isfinite(bandwidth_mbit) or bandwidth_mbit < 0:
             raise ValueError(f"bandwidth_mbit must be a finite number >= 0, not {bandwidth_mbit!r}")

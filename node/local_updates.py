@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 COMM_SHARE = 0.25  # the share of a round's wall time that averaging may take
@@ -69,6 +69,29 @@ def choose_inner_steps(step_seconds: float, round_seconds: float, fixed: int | N
     compute = round_seconds * (1 - COMM_SHARE) / COMM_SHARE
     compute = min(max(compute, MIN_ROUND_COMPUTE), MAX_ROUND_COMPUTE)
     return max(MIN_INNER_STEPS, min(MAX_INNER_STEPS, math.ceil(compute / step_seconds)))
+
+
+def next_inner_steps(fixed: int | None, group: tuple[float, float] | None, own: tuple[float, float],
+                     whole: bool, last_whole: int | None, agreed: Callable[[], int | None]) -> int:
+    """Inner steps for the next round, after a round whose group had `group` pace (`group_pace`; None when this
+    node was alone) and held every live member (`whole`) or not.
+
+    - `fixed`: the job's count.
+    - A whole group: `choose_inner_steps` from its pace (alike on every member), or `own` timing for a lone node.
+    - A group without every member (the swarm met in two groups, or this node missed the round): `last_whole`, the
+      count chosen after the last whole round, which every member that took part in it holds alike. The groups then
+      finish their next shares together and meet again; a count of their own, from each group's pace, would keep
+      them apart for good (seen in the lab: four nodes that met in two pairs at one round stayed two pairs of
+      diverging models to the end).
+    - None yet (this node never took part in a whole round): what the others published for this round
+      (`agreed()`), else the group's pace, else its own timing."""
+    if fixed is not None:
+        return fixed
+    if whole:
+        return choose_inner_steps(*(group or own))
+    if last_whole is not None:
+        return last_whole
+    return agreed() or choose_inner_steps(*(group or own))
 
 
 def group_pace(claims: Iterable[Mapping[str, Any]]) -> tuple[float, float] | None:

@@ -300,6 +300,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         choose_inner_steps,
         first_round_estimate,
         group_pace,
+        next_inner_steps,
     )
     from gpuswarm.node.workloads.saved import load_checkpoint
     from gpuswarm.proto.models import Assignment
@@ -382,6 +383,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         step_seconds = 0.0
         round_seconds = first_round_estimate(sum(shared.sizes), hello.matchmaking_time, members)
         inner_steps = choose_inner_steps(1.0, round_seconds, fixed_steps)
+        last_whole: int | None = None  # the count chosen after the last round that held every member
 
         def round_target(count: int) -> int:
             """hivemind's sample target for a round: every member's share (members' own in mode "fedavg")."""
@@ -401,7 +403,9 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             batch_size_per_step=hello.batch_size, params=shared.params, optimizer=outer.build,
             matchmaking_time=hello.matchmaking_time, averaging_timeout=hello.averaging_timeout,
             # A newcomer joining a run in progress takes the current weights and optimizer state from a peer.
-            load_state_timeout=60.0, averager_opts={**averager_options(), "request_timeout": 1.0},
+            load_state_timeout=60.0,
+            # A round starts as soon as every member the job can have has joined it (see averager_options).
+            averager_opts={**averager_options(group_size=spec.max_nodes), "request_timeout": 1.0},
             # The swarm's progress at least every second: a member waiting for the others' shares (wait_for_round)
             # sees them in and starts the round within a second of the others.
             tracker_opts={"max_refresh_period": 1.0},
@@ -525,16 +529,17 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 # The pace of the group whose round just ended (its claims are for the epoch it ended), alike on
                 # every member, so that all take the same inner steps; this node's own timing when it was alone.
                 pace = group_pace(c["payload"] for c in group.claims) if group and group.group_size > 1 else None
-                # A member that was not in the group's round (it joined late, or its round failed) takes the count
-                # the others published for this round: one that took fewer steps would send a shorter
-                # pseudo-gradient, which their robust reducers clip and name as an outlier.
-                agreed = membership.agreed_steps(optimizer.local_epoch) \
-                    if pace is None and fixed_steps is None and count > 1 else None
-                inner_steps = agreed or choose_inner_steps(*(pace or (step_seconds, round_seconds)), fixed_steps)
+                # Every member takes the same count (next_inner_steps): one that took fewer steps would send a
+                # shorter pseudo-gradient, which the others' robust reducers clip and name as an outlier, and groups
+                # that took different counts would never meet again.
+                whole = (group.group_size if group else 1) >= count
+                inner_steps = next_inner_steps(fixed_steps, pace, (step_seconds, round_seconds), whole, last_whole,
+                                               lambda: membership.agreed_steps(optimizer.local_epoch))
+                if whole:
+                    last_whole = inner_steps
                 membership.publish_pace(optimizer.local_epoch, inner_steps)
-                logger.info("round of epoch %d: %d inner steps next, from %s", last_epoch, inner_steps,
-                            f"the group's pace {pace}" if pace else "the other members' records" if agreed
-                            else "this node's own timing")
+                logger.info("round of epoch %d (%d of %d members, group's pace %s): %d inner steps next", last_epoch,
+                            group.group_size if group else 1, count, pace, inner_steps)
                 optimizer.tracker.target_batch_size = round_target(count)
             shared.publish()
             if evidence is not None:

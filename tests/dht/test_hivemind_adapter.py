@@ -248,13 +248,45 @@ def test_averager_options_are_keywords_hiveminds_averagers_take():
     from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
     accepted = inspect.signature(DecentralizedAverager.__init__).parameters
-    for options in (adapter.averager_options(), adapter.averager_options(bandwidth_mbit=90)):
+    for options in (adapter.averager_options(), adapter.averager_options(bandwidth_mbit=90, group_size=4)):
         assert set(options) <= set(accepted) and "compression" not in options  # the Optimizer passes compression
     assert adapter.averager_options() == {"part_size_bytes": DEFAULT_PART_SIZE_BYTES}
+    assert adapter.averager_options(group_size=4)["target_group_size"] == 4
+    assert "target_group_size" not in adapter.averager_options(group_size=1)
     assert adapter.averager_options(bandwidth_mbit=90)["bandwidth"] == 90.0
     for bad in (-1.0, float("nan"), float("inf"), "90"):
         with pytest.raises(ValueError):
             adapter.averager_options(bandwidth_mbit=bad)
+
+
+def test_a_full_group_starts_its_round_before_its_matchmaking_time_is_out(group_size=2):
+    """Two averagers with 30 s of matchmaking time: with the group size declared, the leader starts the round as
+    soon as the other has joined, and both have averaged long before the 30 s are out. (Without it, hivemind's
+    leader waits them out: run with group_size=None, this test fails.)"""
+    import threading
+
+    import torch
+
+    first = hivemind.DHT(start=True)
+    dhts = [first, hivemind.DHT(initial_peers=first.get_visible_maddrs(), start=True)]
+    averagers = [hivemind.averaging.DecentralizedAverager(
+        averaged_tensors=[torch.full((1000,), float(k))], dht=d, prefix="group", min_matchmaking_time=30.0,
+        request_timeout=1.0, start=True, **adapter.averager_options(group_size=group_size))
+        for k, d in enumerate(dhts)]
+    try:
+        matchmaking_over = get_dht_time() + 30.0
+        controls = [a.step(wait=False, timeout=60) for a in averagers]
+        groups = [c.result(timeout=90) for c in controls]
+        assert get_dht_time() < matchmaking_over - 10  # not a speed check: the wait it removes is 30 s
+        assert all(g is not None and len(g) == 2 for g in groups), groups
+        for a in averagers:
+            with a.get_tensors() as (tensor,):
+                assert torch.allclose(tensor, torch.full((1000,), 0.5))
+    finally:
+        for a in averagers:
+            threading.Thread(target=a.shutdown, daemon=True).start()
+        for d in dhts:
+            d.shutdown()
 
 
 def test_averager_compression_by_name():

@@ -20,6 +20,7 @@ from gpuswarm.node.local_updates import (
     choose_inner_steps,
     first_round_estimate,
     group_pace,
+    next_inner_steps,
 )
 from gpuswarm.proto.trainer import OptimizerSpec
 from hivemind.utils.crypto import RSAPrivateKey
@@ -178,6 +179,30 @@ def test_the_first_round_estimate_grows_with_the_model_and_the_members():
     assert first_round_estimate(1_000_000, 3.0, 1) == 3.0  # alone: no transfer
     assert first_round_estimate(1_000_000, 3.0, 4) > first_round_estimate(1_000_000, 3.0, 2) > 3.0
     assert first_round_estimate(10_000_000, 3.0, 2) > first_round_estimate(1_000_000, 3.0, 2)
+
+
+paces = st.tuples(st.floats(1e-3, 10), st.floats(0, 100))
+
+
+@given(a=paces, b=paces, own=paces, last=st.integers(1, 1000))
+def test_two_groups_of_one_swarm_take_the_same_count_and_meet_again(a, b, own, last):
+    # Four members met as two pairs, each with its own pace: both pairs keep the count of the last round of all.
+    counts = {next_inner_steps(None, pace, own, False, last, lambda: None) for pace in (a, b)}
+    assert counts == {last}
+    # A round of all sets a new count from that group's pace, alike on every member.
+    assert next_inner_steps(None, a, own, True, last, lambda: None) == choose_inner_steps(*a)
+
+
+@given(group=st.none() | paces, own=paces, whole=st.booleans(), last=st.none() | st.integers(1, 1000),
+       agreed=st.none() | st.integers(1, 1000), fixed=st.integers(1, 100_000))
+def test_next_inner_steps_a_fixed_count_wins_and_a_newcomer_takes_the_published_one(group, own, whole, last, agreed,
+                                                                                   fixed):
+    assert next_inner_steps(fixed, group, own, whole, last, lambda: agreed) == fixed
+    h = next_inner_steps(None, group, own, whole, None, lambda: agreed)
+    if whole:
+        assert h == choose_inner_steps(*(group or own))  # a lone node: its own timing
+    else:
+        assert h == (agreed or choose_inner_steps(*(group or own)))
 
 
 claim_payloads = st.lists(st.fixed_dictionaries({
