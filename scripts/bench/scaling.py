@@ -10,12 +10,17 @@ run from the job's submission (the nodes registered and idle) to its completion,
 process's start to the target: both include starting Python and torch and reading the data.
 
 The plain loop is the same workload (examples/tinylm, the same data, model, batch and AdamW) stepping alone and
-evaluating every `--eval-every` steps, the way one machine would train it. `--workload digits-mlp` runs the digits
-demo's built-in workload instead (its own defaults; e.g. `--nodes 1,3 --target "accuracy >= 0.95"`).
+evaluating every `--eval-every` steps, the way one machine would train it. By default the swarm keeps the plain
+loop's batch of 32 per inner step and splits it over its nodes (strong scaling: 16 each on 2 nodes, 8 on 4), so more
+nodes make each inner step cheaper, not larger; `--scale weak` gives every node the whole batch instead.
+`--workload digits-mlp` runs the digits demo's built-in workload instead (its own defaults; e.g. `--nodes 1,3
+--target "accuracy >= 0.95"`).
 
 Run: scripts/bench/run scaling [--quick] [--json] [--nodes 1,2,4] [--cpus 0.4] [--target "val_bpb <= 3.6"]
-     [--mode diloco|sync ...] [--no-write]. Prints the table and appends it (with a PNG) to docs/benchmarks.md.
-`--json` prints per case: nodes, mode, seconds, steps, final_metric, speedup (one node's seconds / this case's).
+     [--mode diloco|sync ...] [--scale strong|weak] [--no-write]. Prints the table and appends it (with a PNG) to
+     docs/benchmarks.md.
+`--json` prints per case: nodes, mode, batch_per_node, seconds, steps, final_metric, speedup (one node's seconds /
+this case's).
 """
 
 from __future__ import annotations
@@ -153,10 +158,18 @@ def run_plain(data: Path, target: str, cpus: float, eval_every: int, max_seconds
 
 # ---- the swarm -------------------------------------------------------------------------------------------------
 
-def job_file(path: Path, data: Path, nodes: int, target: str, mode: str, max_seconds: float, workload: str) -> Path:
+def node_batch(nodes: int, scale: str) -> int:
+    """tinylm's batch on each node: the plain loop's batch split over the nodes ("strong" scaling: every inner step
+    of the swarm takes as many samples as one of the plain loop), or all of it on each ("weak")."""
+    return max(1, TINYLM["batch_size"] // nodes) if scale == "strong" else TINYLM["batch_size"]
+
+
+def job_file(path: Path, data: Path, nodes: int, target: str, mode: str, max_seconds: float, workload: str,
+             scale: str = "strong") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if workload == "tinylm":
-        params = "\n".join(f"{k} = {json.dumps(v)}" for k, v in TINYLM.items())
+        batch = node_batch(nodes, scale)
+        params = "\n".join(f"{k} = {json.dumps(v)}" for k, v in {**TINYLM, "batch_size": batch}.items())
         source = f"""[code]
 path = "{ROOT / 'examples' / 'tinylm'}"
 entrypoint = "tinylm.workload:TinyLM"
@@ -166,7 +179,7 @@ path = "{data}"
 
 [params]
 {params}
-target_batch_size = {TINYLM['batch_size'] * nodes * 8}
+target_batch_size = {batch * nodes * 8}
 """
     else:
         source = ""
@@ -190,7 +203,7 @@ checkpoint_every_minutes = 60
 
 
 def run_swarm(nodes: int, data: Path, target: str, mode: str, cpus: float, wan: dict, max_seconds: float,
-              root: Path, workload: str) -> dict:
+              root: Path, workload: str, scale: str) -> dict:
     quotas = [CpuQuota(f"gpuswarm-bench-node{i}", cpus) for i in range(1, nodes + 1)]
     with netlab.NetLab(nodes + 1) as lab:
         relay = lab.start_relay(WG_PORT)
@@ -210,7 +223,7 @@ def run_swarm(nodes: int, data: Path, target: str, mode: str, cpus: float, wan: 
                                "every node to have its mesh peers")
             time.sleep(5)
             relay.set(**wan)
-            spec = job_file(root / "job" / "job.toml", data, nodes, target, mode, max_seconds, workload)
+            spec = job_file(root / "job" / "job.toml", data, nodes, target, mode, max_seconds, workload, scale)
             started = time.monotonic()
             job = swarm.submit_file(spec)
             client = swarm.client
@@ -236,8 +249,11 @@ def run_swarm(nodes: int, data: Path, target: str, mode: str, cpus: float, wan: 
 
 def table(cases: list[dict], args, plain: dict, draw: bool) -> str:
     wan = f"{args.rate:g} Mbit/s, {args.rtt:g} ms RTT, {args.loss:g}% loss"
+    scale = ((f", batch {TINYLM['batch_size']} split over the nodes" if args.scale == "strong" else
+              f", batch {TINYLM['batch_size']} on every node") if args.workload == "tinylm" else "")
     lines = [f"## scaling ({time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 cores, {args.cpus:g} CPU per node and "
-             f"for the plain loop, WAN {wan}, {args.workload} to {args.target}{', --quick' if args.quick else ''})", "",
+             f"for the plain loop, WAN {wan}, {args.workload} to {args.target}{', --quick' if args.quick else ''}"
+             f"{scale})", "",
              "| case | mode | seconds to target | global steps | final metric | speedup vs 1 node | vs plain loop |",
              "|---|---|---|---|---|---|---|",
              f"| plain PyTorch loop | - | {plain['seconds']:.1f} | {plain['steps']} (local) | {plain['metric']:.3f} "
@@ -267,6 +283,9 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--nodes", default=None, help="comma-separated node counts (default 1,2,4; --quick 1,2)")
     parser.add_argument("--mode", action="append", choices=["diloco", "sync"], help="job modes (default diloco)")
+    parser.add_argument("--scale", choices=["strong", "weak"], default="strong",
+                        help="tinylm's batch: the plain loop's split over the nodes (strong, default) or all of it on "
+                             "each node (weak)")
     parser.add_argument("--cpus", type=float, default=0.4, help="CPU quota per node and for the plain loop")
     parser.add_argument("--target", default=None, help='stop rule (default "val_bpb <= 3.6"; --quick 4.4)')
     parser.add_argument("--rate", type=float, default=100.0, help="WAN rate cap, Mbit/s")
@@ -302,9 +321,10 @@ def main() -> int:
             for n in counts:
                 print(f"{n} node(s), {mode} ...", file=sys.stderr)
                 r = run_swarm(n, data, args.target, mode, args.cpus, wan, args.max_seconds, Path(tmp) / f"{mode}{n}",
-                              args.workload)
+                              args.workload, args.scale)
                 print(f"  {r['seconds']:.1f} s, {r['steps']} global steps, metric {r['metric']}", file=sys.stderr)
-                cases.append({"nodes": n, "mode": mode, "seconds": r["seconds"], "steps": r["steps"],
+                cases.append({"nodes": n, "mode": mode, "batch_per_node": node_batch(n, args.scale)
+                              if args.workload == "tinylm" else None, "seconds": r["seconds"], "steps": r["steps"],
                               "final_metric": r["metric"], "throttled_seconds": r["throttled_seconds"]})
         for mode in modes:
             one = next((c["seconds"] for c in cases if c["mode"] == mode and c["nodes"] == 1), None)
