@@ -75,7 +75,7 @@ from gpuswarm.coordinator.metrics import CoordinatorMetrics, metrics_middleware,
 from gpuswarm.coordinator.store import BlobStore, LocalBlobStore
 from gpuswarm.mesh import ipam
 from gpuswarm.proto.models import AssignmentState, JobSpec, JobState, Resources
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 logger = logging.getLogger(__name__)
@@ -308,15 +308,19 @@ def swarm_epoch(epochs: list[int]) -> int:
 
 
 async def observe_progress(sessions: async_sessionmaker[AsyncSession], dht) -> None:
-    """Record each running job's epoch as hivemind's own progress records in the DHT show it (`swarm_epoch`): the
-    ledger does not credit claims for epochs the swarm never reached. Only members' records get this far: the
-    DHT's validators refuse the rest."""
+    """Record the epoch of each job whose books are open (running, or ended and not yet settled) as hivemind's own
+    progress records in the DHT show it (`swarm_epoch`): the ledger does not credit claims for epochs the swarm
+    never reached. Read every 5 s, so a job's last rounds are seen in its settlement grace: a job whose rounds end
+    within seconds of one another could otherwise end with epochs the coordinator never saw. Only members' records
+    get this far: the DHT's validators refuse the rest."""
     from gpuswarm.proto.dht import job_run_id
 
     async with sessions() as session:
-        running = (await session.scalars(select(Job.id).where(Job.state == JobState.RUNNING.value))).all()
+        open_books = (await session.scalars(select(Job.id).where(or_(
+            Job.state == JobState.RUNNING.value,
+            Job.state.in_([s.value for s in JobState if s.is_final]) & Job.settled_at.is_(None))))).all()
     epochs = {}
-    for job_id in running:
+    for job_id in open_books:
         found = await dht_get(dht, f"{job_run_id(job_id)}_progress")  # hivemind's ProgressTracker key for a run
         if found is not None and isinstance(found.value, dict):
             seen = [item.value.get("epoch") for item in found.value.values() if isinstance(item.value, dict)]

@@ -61,12 +61,14 @@ def test_three_nodes_train_to_target_and_share_the_credit(swarm, tmp_path):
     done = wait_for_job(swarm, job.id)
     assert done.state == "completed", done
     assert done.final_accuracy >= TARGET
-    # The coordinator read hivemind's own progress records from the DHT (the ledger cross-checks epochs with them).
-    assert done.dht_epoch is not None and done.dht_epoch >= 1, done
 
     node_ids = {swarm.node_id(i) for i in range(3)}
     assert {a.node_id for a in done.assignments} == node_ids
     ledger = wait_for_ledger(swarm, job.id, node_ids)
+    # The coordinator read hivemind's own progress records from the DHT (the ledger cross-checks epochs with them),
+    # up to the job's last rounds: it reads them until the books close.
+    settled = swarm.client.job(job.id)
+    assert settled.dht_epoch is not None and settled.dht_epoch >= max(1, done.progress.global_step - 1), settled
     assert ledger.keys() == node_ids
     for row in ledger.values():  # every node's work was attested by its round's peers and paid
         assert row.samples > 0 and row.steps > 0 and row.compute_seconds > 0 and row.paid > 0, row
