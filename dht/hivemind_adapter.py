@@ -29,6 +29,8 @@ What is used, and why:
   the Optimizer starts matchmaking ahead of a round it expects soon, even when no other peer is in the run. A lone
   member then spends the matchmaking time (seconds of CPU in its averager, DHT and p2pd) looking for a group that
   cannot exist; the subclass schedules ahead only while the tracker sees other peers.
+- `hivemind.Optimizer._make_gradient_averager` (`optimizer_class`): it drops the Optimizer's `averager_opts`; the
+  subclass passes them on, so the gradient averager gets the settings the state averager gets.
 - `DecentralizedAverager`'s keyword arguments (`averager_options`) and hivemind's compressions
   (`averager_compression`): the settings every averaging round of gpuswarm runs with, in one place
   (docs/decisions/0018-allreduce-where-the-time-goes.md says what was measured and why these values).
@@ -220,16 +222,31 @@ def averager_compression(name: str):
 
 
 def optimizer_class():
-    """`hivemind.Optimizer`, except that it schedules matchmaking ahead of a round (gradients or state) only while
-    its tracker sees other peers in the run. hivemind schedules it whenever its estimate says the round is near,
-    alone or not; a lone member then spent about 10 s of every few rounds matchmaking for nobody, at a third of its
-    CPU (the averager, the DHT and p2pd; seen under a 0.4 CPU quota in `scripts/bench/run scaling`). A round with
-    peers but no group scheduled ahead still matchmakes when it starts, as hivemind does."""
+    """`hivemind.Optimizer`, with two differences.
+
+    - `averager_opts` reach its gradient averager too. hivemind 1.1.12 documents them as "forwarded to both
+      GradientAverager and TrainingStateAverager" but hands them to the state averager alone
+      (`Optimizer._make_gradient_averager`), so every gradient round ran with hivemind's defaults: no
+      `target_group_size` (a leader waited out the whole matchmaking time with its group already full), a 3 s
+      `request_timeout`, no declared bandwidth. Seen in the lab's worker logs: four members joined a leader within
+      0.4 s and it assembled the group 3.0 s after it began, every round.
+    - It schedules matchmaking ahead of a round (gradients or state) only while its tracker sees other peers in the
+      run. hivemind schedules it whenever its estimate says the round is near, alone or not; a lone member then
+      spent about 10 s of every few rounds matchmaking for nobody, at a third of its CPU (the averager, the DHT and
+      p2pd; seen under a 0.4 CPU quota in `scripts/bench/run scaling`). A round with peers but no group scheduled
+      ahead still matchmakes when it starts, as hivemind does."""
     global _OPTIMIZER
     if _OPTIMIZER is None:
         import hivemind
 
         class Optimizer(hivemind.Optimizer):
+            def __init__(self, *args, averager_opts: dict | None = None, **kwargs):
+                self._gradient_averager_opts = dict(averager_opts or {})
+                super().__init__(*args, averager_opts=averager_opts, **kwargs)
+
+            def _make_gradient_averager(self, factory, **kwargs):
+                return super()._make_gradient_averager(factory, **{**self._gradient_averager_opts, **kwargs})
+
             def _maybe_schedule_gradient_averaging(self) -> None:
                 if self.tracker.global_progress.num_peers > 1:
                     super()._maybe_schedule_gradient_averaging()

@@ -227,6 +227,61 @@ def test_a_lone_optimizer_does_not_matchmake_ahead_and_one_with_peers_does():
         host.shutdown()
 
 
+def _one_round(run: str, grad: float, initial_peers: tuple[str, ...] = ()) -> tuple[float, float]:
+    """Step our optimizer (a group of two at most, 30 s of matchmaking time) at about 20 samples/s, once the other
+    member is seen, until its first round is over. Returns (seconds from then to the round's end, the parameter
+    after it)."""
+    import torch
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    opt = None
+    try:
+        opt = adapter.optimizer_class()(
+            dht=dht, run_id=run, target_batch_size=40, batch_size_per_step=1, params=params,
+            optimizer=lambda q: torch.optim.SGD(q, lr=0.1), matchmaking_time=30.0, averaging_timeout=60.0,
+            averager_opts={**adapter.averager_options(group_size=2), "request_timeout": 1.0},
+            tracker_opts={"max_refresh_period": 0.5}, verbose=False)
+        params[0].grad = torch.full((1,), grad)
+        opt.step()
+        while opt.tracker.global_progress.num_peers < 2:  # as the worker waits (membership.wait_for_tracker)
+            time.sleep(0.1)
+        started = time.monotonic()
+        while opt.local_epoch == 0 and time.monotonic() - started < 90:
+            params[0].grad = torch.full((1,), grad)
+            opt.step()
+            time.sleep(0.05)
+        return time.monotonic() - started, float(params[0])
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_the_gradient_averager_gets_the_averager_options():
+    """hivemind.Optimizer hands `averager_opts` to its state averager alone; ours hands them to the gradient
+    averager too. So a gradient round of a full group starts as soon as both members joined, not when the 30 s of
+    matchmaking time are out (with hivemind's own Optimizer this round takes more than 30 s). The second member is
+    another process: two progress trackers in one process count as one peer."""
+    host = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = tuple(str(m) for m in host.get_visible_maddrs())
+    run = "gpuswarm_j_00000000c1c1"
+    other = subprocess.Popen([sys.executable, "-c", "import sys, test_hivemind_adapter as t; "
+                              "print(*t._one_round(sys.argv[1], 3.0, tuple(sys.argv[2:])))", run, *peers],
+                             cwd=Path(__file__).parent, stdout=subprocess.PIPE, text=True)
+    try:
+        seconds, value = _one_round(run, 1.0, peers)
+        other_seconds, other_value = map(float, other.communicate(timeout=120)[0].split())
+    finally:
+        other.kill()
+        other.wait()
+        host.shutdown()
+    # Averaged: between the two members' own steps (-0.1 and -0.3, whatever their shares of the samples).
+    assert -0.3 + 1e-3 < value < -0.1 - 1e-3 and abs(value - other_value) < 1e-6, (value, other_value)
+    assert seconds < 20 and other_seconds < 20, (seconds, other_seconds)  # not a speed check: the wait is 30 s
+
+
 def test_8bit_codecs_decode_after_the_fix():
     import torch
     from gpuswarm.dht.hivemind_adapter import fix_8bit_codecs
