@@ -13,9 +13,10 @@ formed first (matchmaking is not the all-reduce), gloo's group is formed once.
 The averagers run with the product's settings (gpuswarm.dht.hivemind_adapter.averager_options and
 averager_compression; decision 0018).
 
-Run as root: scripts/bench/run allreduce [--quick] [--json] [--mbytes 100] [--rounds 2]. --quick: 2 peers at
-100 Mbit/s, 16 MB, in under 5 minutes. Prints a table (or one JSON object per case) and, unless --no-write, appends
-the table to docs/benchmarks.md with a chart of it (docs/img/allreduce.png, or allreduce-quick.png).
+Run as root: scripts/bench/run allreduce [--quick] [--json] [--mbytes 100] [--rounds 2] [--rtt 20] [--loss 0]
+[--peers 2,4]. --quick: 2 peers at 100 Mbit/s, 16 MB, in under 5 minutes. --loss drops that share of WireGuard's
+packets at the relay (the scaling bench's WAN has 0.5%). Prints a table (or one JSON object per case) and, unless
+--no-write, appends the table to docs/benchmarks.md with a chart of it (docs/img/allreduce.png, or allreduce-quick.png).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def iperf_mbit(lab: netlab.NetLab, server: Peer, client: Peer, seconds: int = 4)
         srv.wait(5)
 
 
-def network(n: int, rate_mbit: float, rtt_ms: float, numel: int, rounds: int, compressions) -> list[dict]:
+def network(n: int, rate_mbit: float, rtt_ms: float, numel: int, rounds: int, compressions,
+            loss_pct: float = 0.0) -> list[dict]:
     cases = []
     shaping = netlab.Shaping(rate_mbit=rate_mbit)
     with netlab.NetLab(n, shaping=shaping) as lab:
@@ -122,7 +124,7 @@ def network(n: int, rate_mbit: float, rtt_ms: float, numel: int, rounds: int, co
                     raise RuntimeError(f"no mesh path from peer 0 to peer {p.index}")
             # The WAN's delay only once the handshakes are done: two peers that start their handshakes at the same
             # moment over a delayed path each drop the other's answer, and retry in lockstep.
-            relay.set(delay_ms=rtt_ms / 2)
+            relay.set(delay_ms=rtt_ms / 2, loss_pct=loss_pct)
             bandwidth = iperf_mbit(lab, peers[1], peers[0])
             first = peers[0].call("dht", host=peers[0].address, initial_peers=[])["maddrs"]
             all_do(peers[1:], "dht", lambda p: {"host": p.address, "initial_peers": first})
@@ -143,7 +145,7 @@ def network(n: int, rate_mbit: float, rtt_ms: float, numel: int, rounds: int, co
                 all_do(peers, "close")
                 seconds = statistics.median(times)
                 cases.append({"peers": n, "bytes": numel * 4, "rate_mbit": rate_mbit, "rtt_ms": rtt_ms,
-                              "compression": comp, "seconds": round(seconds, 3),
+                              "loss_pct": loss_pct, "compression": comp, "seconds": round(seconds, 3),
                               "gloo_seconds": round(statistics.median(gloo), 3), "floor_seconds": round(floor, 3),
                               "floor_ratio": round(floor / seconds, 3), "iperf_mbit": round(bandwidth, 1),
                               "whole_rounds": whole})
@@ -158,13 +160,13 @@ def network(n: int, rate_mbit: float, rtt_ms: float, numel: int, rounds: int, co
 def table(cases: list[dict], quick: bool) -> str:
     lines = [f"## allreduce ({time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 cores, wireguard-go in namespaces, "
              f"tbf rate caps, the WAN relay's delay{', --quick' if quick else ''})", "",
-             "| peers | MB | cap Mbit/s | iperf3 Mbit/s | RTT ms | compression | hivemind s | gloo s | floor s | "
-             "floor / hivemind | gloo / hivemind | whole rounds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peers | MB | cap Mbit/s | iperf3 Mbit/s | RTT ms | loss % | compression | hivemind s | gloo s | "
+             "floor s | floor / hivemind | gloo / hivemind | whole rounds |", "|---" * 13 + "|"]
     for c in cases:
         lines.append(f"| {c['peers']} | {c['bytes'] / 1e6:.0f} | {c['rate_mbit']:g} | {c['iperf_mbit']:.0f} | "
-                     f"{c['rtt_ms']:g} | {c['compression']} | {c['seconds']:.2f} | {c['gloo_seconds']:.2f} | "
-                     f"{c['floor_seconds']:.2f} | {c['floor_ratio']:.2f} | {c['gloo_seconds'] / c['seconds']:.2f}x | "
-                     f"{'yes' if c['whole_rounds'] else 'NO'} |")
+                     f"{c['rtt_ms']:g} | {c.get('loss_pct', 0):g} | {c['compression']} | {c['seconds']:.2f} | "
+                     f"{c['gloo_seconds']:.2f} | {c['floor_seconds']:.2f} | {c['floor_ratio']:.2f} | "
+                     f"{c['gloo_seconds'] / c['seconds']:.2f}x | {'yes' if c['whole_rounds'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -180,7 +182,8 @@ def chart(cases: list[dict], quick: bool) -> str:
     series["link floor"] = [first[net]["floor_seconds"] for net in networks]
     mbytes = cases[0]["bytes"] / 1e6
     return charts.bars("allreduce-quick" if quick else "allreduce",
-                       f"All-reduce of {mbytes:.0f} MB over WireGuard, {cases[0]['rtt_ms']:g} ms RTT (lower is better)",
+                       f"All-reduce of {mbytes:.0f} MB over WireGuard, {cases[0]['rtt_ms']:g} ms RTT, "
+                       f"{cases[0]['loss_pct']:g}% loss (lower is better)",
                        [f"{n} peers, {rate:g} Mbit/s" for n, rate in networks], series, "seconds per round")
 
 
@@ -191,6 +194,8 @@ def main() -> int:
     parser.add_argument("--mbytes", type=float, help="tensor size in MB (default 100; 16 with --quick)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rtt", type=float, default=20.0, help="round-trip time the relay adds, ms")
+    parser.add_argument("--loss", type=float, default=0.0, help="packet loss the relay adds, percent")
+    parser.add_argument("--peers", help="peer counts, comma-separated (default 2,4; 2 with --quick)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     reason = netlab.unavailable_reason()
@@ -200,9 +205,12 @@ def main() -> int:
     mbytes = args.mbytes or (16 if args.quick else 100)
     numel = int(mbytes * 1e6 / 4)
     networks = [(2, 100.0)] if args.quick else [(2, 100.0), (2, 1000.0), (4, 100.0), (4, 1000.0)]
+    if args.peers:
+        counts = [int(n) for n in args.peers.split(",")]
+        networks = [(n, rate) for n in counts for rate in dict.fromkeys(r for _, r in networks)]
     cases = []
     for n, rate in networks:
-        cases += network(n, rate, args.rtt, numel, args.rounds, COMPRESSIONS)
+        cases += network(n, rate, args.rtt, numel, args.rounds, COMPRESSIONS, args.loss)
     if args.json:
         for c in cases:
             print(json.dumps(c))
