@@ -47,6 +47,12 @@ ASSUMED_MBIT = 50.0  # the link assumed before the first round is measured
 # job's wall-time limit, and tells hivemind's tracker how far it got (the swarm's round is due when the members'
 # samples add up); each request costs one copy of the parameters out of the trainer (on a GPU, over PCIe).
 INNER_CHUNK_SECONDS = 5.0
+# Rounds between hivemind's background rounds that average the members' parameters themselves. After a whole round
+# every member holds the same parameters (up to the compression's rounding of its peers' parts), so these only mend
+# drift: a partial round (a peer lost mid-round), or rounding adding up. Each one sends the parameters uncompressed
+# while the next round's inner steps run, and the next round waits for it to end; after every round (hivemind's
+# default) they cost more of the link than the rounds themselves, and most found no group (seen in the lab).
+STATE_AVERAGING_EVERY = 10
 
 
 def first_round_estimate(parameter_count: int, matchmaking_time: float, members: int) -> float:

@@ -39,6 +39,26 @@ def load_checkpoint(path: Path) -> dict:
     return saved
 
 
+def flat_optimizer_state(state: dict) -> dict:
+    """A checkpoint's outer optimizer state (hivemind.Optimizer's state dict: a torch optimizer's, with
+    "local_epoch" among its "state") for the worker's one flat parameter (worker.SharedParams.flat). Checkpoints
+    written before the worker gave hivemind one tensor hold an entry per model tensor: each per-parameter buffer
+    (SGD's momentum) is joined in the parameters' order, and other values (a step count) are kept from the first."""
+    groups = state.get("param_groups") or []
+    indexes = [i for group in groups for i in group["params"]]
+    if len(groups) != 1 or len(indexes) <= 1:
+        return state
+    per_param = state.get("state", {})
+    joined = {}
+    if all(i in per_param for i in indexes):
+        for key in set.intersection(*(set(per_param[i]) for i in indexes)):
+            values = [per_param[i][key] for i in indexes]
+            tensors = all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values)
+            joined[key] = torch.cat([v.reshape(-1) for v in values]) if tensors else values[0]
+    rest = {key: value for key, value in per_param.items() if not isinstance(key, int)}
+    return {"state": {**rest, **({0: joined} if joined else {})}, "param_groups": [{**groups[0], "params": [0]}]}
+
+
 def checkpoint_model_state(saved: dict) -> dict:
     """The model's state dict in a loaded checkpoint (either format). Only the sandboxed trainer calls this."""
     if "model_file" in saved:

@@ -34,11 +34,11 @@ def rounds(tmp_path_factory) -> dict:
     try:
         hello = link.start(SPEC.model_dump(mode="json"), Inputs(), gpus=[], threads=1, nice=0)
         shared = SharedParams(link)
-        local = LocalUpdates(shared.params)
+        local = LocalUpdates([shared.flat])
         evidence = RoundEvidence(root / "evidence")
         paths = []
         for epoch in range(2):
-            evidence.begin(shared.params)
+            evidence.begin([shared.flat])
             for i, chunk in enumerate(CHUNKS):  # the worker asks for a round's steps in chunks of a few seconds
                 done = link.request("inner", "inner", "inner steps", version=shared.version, steps=chunk,
                                     seconds=60.0, index=1, count=2, step=0, resume=None, round_start=i == 0)
@@ -52,8 +52,7 @@ def rounds(tmp_path_factory) -> dict:
 
             paths.append(evidence.end(epoch, local.params, inner_state))
             with torch.no_grad():  # the outer step of a lone member at rate 1: the swarm takes its parameters
-                for anchor, inner in zip(shared.params, local.params, strict=True):
-                    anchor.copy_(inner)
+                shared.flat.copy_(local.flat)
             local.restart()
             shared.publish()
         return {"root": root, "paths": paths, "batch": hello.batch_size, "size": sum(shared.sizes)}

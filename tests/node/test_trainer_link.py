@@ -25,7 +25,7 @@ def test_a_builtin_trains_saves_and_reports_through_an_unsandboxed_trainer(tmp_p
         shared = SharedParams(link)
         shared.bind_grads()  # mode "sync": the optimizer reads the gradients from the shared copy
         before = [p.detach().clone() for p in shared.params]
-        optimizer = hello.optimizer.build(shared.params)
+        optimizer = hello.optimizer.build([shared.flat])  # as hivemind gets it: one flat parameter
         for step in range(8):
             done = link.request("step", "step", "a step", version=shared.version, index=0, count=1, step=0,
                                 resume=None)
@@ -53,12 +53,13 @@ def test_the_trainer_takes_inner_steps_itself_and_hands_its_parameters_back(tmp_
     try:
         hello = link.start(spec.model_dump(mode="json"), Inputs(), gpus=[], threads=1, nice=0)
         shared = SharedParams(link)
-        local = LocalUpdates(shared.params)
+        local = LocalUpdates([shared.flat])
         done = link.request("inner", "inner", "inner steps", version=shared.version, steps=10, seconds=60.0, index=0,
                             count=1, step=0, resume=None)
         assert (done.steps, done.samples, done.position.batches) == (10, 10 * hello.batch_size, 10)
         shared.take_inner(local)
-        assert all(not torch.equal(a, b) for a, b in zip(shared.params, local.params, strict=True))
+        assert all(not torch.equal(a.reshape(-1), b) for a, b in zip(shared.params, local.flat.split(shared.sizes),
+                                                                     strict=True))  # every tensor moved
         # A request ends after its time budget (here none: one step), and the stream goes on where it was.
         done = link.request("inner", "inner", "inner steps", version=shared.version, steps=1000, seconds=0.0,
                             index=0, count=1, step=0, resume=None)

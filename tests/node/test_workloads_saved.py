@@ -9,7 +9,13 @@ import pytest
 import torch
 from gpuswarm.node.cli import node_app
 from gpuswarm.node.workloads import DigitsMLP
-from gpuswarm.node.workloads.saved import MODEL_FORMAT, evaluate_builtin, read_model_file, save_model_file
+from gpuswarm.node.workloads.saved import (
+    MODEL_FORMAT,
+    evaluate_builtin,
+    flat_optimizer_state,
+    read_model_file,
+    save_model_file,
+)
 from gpuswarm.sdk import Context, Shard
 from gpuswarm.sdk.loader import WorkloadError, validate_params
 from typer.testing import CliRunner
@@ -96,3 +102,26 @@ def test_evaluate_command_names_an_unknown_builtin(tmp_path, trained_digits):
     path = save(tmp_path / "model.pt", trained_digits, workload="cifar-resnet")
     result = CliRunner().invoke(node_app, ["evaluate", str(path)])
     assert result.exit_code == 1 and "no built-in workload 'cifar-resnet'" in result.output
+
+
+def test_an_optimizer_state_per_tensor_becomes_the_flat_parameters_state():
+    """A checkpoint written when hivemind held one parameter per model tensor resumes on the one flat parameter:
+    momentum joined in order, the epoch and the hyper-parameters kept; a flat state passes unchanged."""
+    tensors = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((3, 2), (4,), (2, 2))]
+    old = torch.optim.SGD(tensors, lr=0.5, momentum=0.9)
+    for k, t in enumerate(tensors):
+        t.grad = torch.full_like(t, float(k + 1))
+    old.step()
+    state = old.state_dict()
+    state["state"]["local_epoch"] = 7  # as hivemind.Optimizer.state_dict adds it
+    flat_state = flat_optimizer_state(state)
+    flat = torch.nn.Parameter(torch.zeros(14))
+    new = torch.optim.SGD([flat], lr=0.1, momentum=0.0)
+    new.load_state_dict({**flat_state, "state": {k: v for k, v in flat_state["state"].items() if k != "local_epoch"}})
+    expected = torch.cat([old.state[t]["momentum_buffer"].reshape(-1) for t in tensors])
+    assert torch.equal(new.state[flat]["momentum_buffer"], expected)
+    assert new.param_groups[0]["lr"] == 0.5 and new.param_groups[0]["momentum"] == 0.9
+    assert flat_state["state"]["local_epoch"] == 7
+    assert flat_optimizer_state(flat_state) is flat_state
+    fresh = torch.optim.SGD(tensors, lr=0.5).state_dict()  # no momentum: no per-parameter state at all
+    assert flat_optimizer_state(fresh) == {"state": {}, "param_groups": [{**fresh["param_groups"][0], "params": [0]}]}
