@@ -205,6 +205,15 @@ def test_next_inner_steps_a_fixed_count_wins_and_a_newcomer_takes_the_published_
         assert h == (agreed or choose_inner_steps(*(group or own)))
 
 
+@given(pace=paces, own=paces, last=st.integers(1, 1000))
+def test_a_member_that_missed_a_round_its_leader_counted_whole_takes_the_leaders_count(pace, own, last):
+    # The leader assembled both and counts the round whole; the follower's join timed out and it went alone.
+    leader = next_inner_steps(None, pace, own, True, last, lambda: None)
+    assert next_inner_steps(None, None, own, False, last, lambda: leader) == leader
+    # Nobody published yet: the count of the last round of all.
+    assert next_inner_steps(None, None, own, False, last, lambda: None) == last
+
+
 claim_payloads = st.lists(st.fixed_dictionaries({
     "steps": st.integers(0, 10_000), "compute_seconds": st.floats(0, 1e4),
     "window_start": st.floats(0, 1e6), "window_end": st.floats(0, 1e6)}), max_size=8)
