@@ -171,7 +171,7 @@ async def apply_heartbeats(session: AsyncSession, items: list[NodeMessage[Heartb
     for assignment_id, node_id, job_id in (await session.execute(_SELECT_ACTIVE, {"ids": node_ids})).all():
         active.setdefault(node_id, {})[job_id] = assignment_id
     points: set[tuple[str, int]] = set()  # (job, step) known to have its point, so one batch looks each up once
-    ceilings: dict[str, int] = {}  # job: the highest step its progress may move to (`_step_ceiling`)
+    ceilings: dict[tuple[str, str], int] = {}  # (job, reporter): the highest step it may move to (`_step_ceiling`)
     results: list[Outcome | ApiError] = []
     fresh_nonces: list[dict] = []
     for message in items:
@@ -234,7 +234,7 @@ async def _apply_one(session: AsyncSession, node: _NodeRow, hb: Heartbeat, activ
         # members' claims were attested for: a member cannot put the job at step 2**53 and freeze it there.
         if job is None or job.state != JobState.RUNNING.value:
             continue
-        if job.global_step <= p.global_step <= await _step_ceiling(session, job, ceilings):
+        if job.global_step <= p.global_step <= await _step_ceiling(session, job, node.id, ceilings):
             advanced = p.global_step > job.global_step
             job.epoch, job.global_step, job.accuracy, job.loss = p.epoch, p.global_step, p.accuracy, p.loss
             job.samples_per_second, job.peers = p.samples_per_second, p.peers
@@ -260,17 +260,28 @@ async def _apply_one(session: AsyncSession, node: _NodeRow, hb: Heartbeat, activ
     return outcome
 
 
-async def _step_ceiling(session: AsyncSession, job: Job, ceilings: dict[str, int]) -> int:
-    """The highest global step a progress report may move the job to: the latest epoch a member's claim was
-    attested (or credited) for, or the job's own step, plus PROGRESS_MARGIN. Looked up once per job and batch."""
-    if job.id in ceilings:
-        return ceilings[job.id]
+async def _step_ceiling(session: AsyncSession, job: Job, node_id: str, ceilings: dict[tuple[str, str], int]) -> int:
+    """The highest global step `node_id`'s progress report may move the job to: the latest epoch a member's claim
+    was attested (or credited) for, or the job's own step, plus PROGRESS_MARGIN. While the reporter is the job's
+    only member, its own solo round reports count too: the ledger credits those once hivemind's records show the
+    epoch, records a lone member writes itself, so waiting for that credit gave it no more safety, only a lag (a
+    lone sweep trial of one-batch sync steps ended with no point at all). Looked up once per job, reporter and
+    batch."""
+    key = (job.id, node_id)
+    if key in ceilings:
+        return ceilings[key]
     attested = await session.scalar(select(func.max(Contribution.epoch)).join(
         Attestation, Attestation.claim_id == Contribution.id).where(Contribution.job_id == job.id))
     credited = await session.scalar(select(func.max(Contribution.epoch)).where(
         Contribution.job_id == job.id, Contribution.status == "credited"))
-    ceilings[job.id] = max(job.global_step, attested or 0, credited or 0) + PROGRESS_MARGIN
-    return ceilings[job.id]
+    others = await session.scalar(select(func.count()).select_from(AssignmentRow).where(
+        AssignmentRow.job_id == job.id, AssignmentRow.node_id != node_id,
+        AssignmentRow.state == AssignmentState.ACTIVE.value))
+    own = None if others else await session.scalar(select(func.max(Contribution.epoch)).where(
+        Contribution.job_id == job.id, Contribution.node_id == node_id, Contribution.solo.is_(True),
+        Contribution.status != "rejected"))
+    ceilings[key] = max(job.global_step, attested or 0, credited or 0, own or 0) + PROGRESS_MARGIN
+    return ceilings[key]
 
 
 async def _record_point(session: AsyncSession, job_id: str, p: Progress, now: float, advanced: bool,

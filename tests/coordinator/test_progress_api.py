@@ -24,7 +24,7 @@ from gpuswarm.client.jobcli import job_app
 from gpuswarm.coordinator import tensorboard
 from gpuswarm.coordinator.app import create_app
 from gpuswarm.coordinator.config import SESSIONS, CoordinatorConfig
-from gpuswarm.coordinator.db import JobProgress
+from gpuswarm.coordinator.db import Job, JobProgress
 from sqlalchemy import func, insert, select
 from tensorboardX.proto.event_pb2 import Event
 from test_api import (
@@ -230,6 +230,31 @@ async def test_progress_runs_ahead_of_the_attested_rounds_by_at_most_a_margin(al
     await beat(alice, b, progress(job_id, 20 + PROGRESS_MARGIN))
     await beat(alice, a, progress(job_id, 2**53))
     assert steps(await get(alice, f"/v1/jobs/{job_id}/progress")) == [3, 20 + PROGRESS_MARGIN]
+
+
+async def test_a_lone_members_own_solo_rounds_lift_the_ceiling_and_not_while_others_train(alice, pair):
+    """A lone sweep trial of one-batch sync steps once ended with no point at all: its solo rounds counted only
+    once credited, and the ledger credits them only after hivemind's records, read every 5 s, show the epoch (here
+    they show epoch 0, so nothing is credited)."""
+    from gpuswarm.coordinator.heartbeats import PROGRESS_MARGIN
+    from test_api import claim, round_report
+
+    a, b, pair_job = pair
+    lone = await register(alice)
+    job_id = await submit(alice, min_nodes=1, max_nodes=1)
+    await wait_for_assignment(alice, lone, job_id)
+    async with alice.app[SESSIONS].begin() as session:  # hivemind's records, as last read, show epoch 0
+        for job in (job_id, pair_job):
+            (await session.get(Job, job)).dht_epoch = 0
+    for node, job in ((lone, job_id), (a, pair_job)):
+        ended_now = claim(node, job, 40, window_start=time.time() - 5, window_end=time.time())  # b trained in it
+        response = await alice.post("/v1/rounds", json=round_report(node, job, [ended_now], epoch=40, solo=True))
+        assert response.status == 201, await response.text()
+    await beat(alice, lone, progress(job_id, 40 + PROGRESS_MARGIN + 1))  # past its own rounds: still refused
+    await beat(alice, lone, progress(job_id, 40 + PROGRESS_MARGIN))
+    await beat(alice, a, progress(pair_job, 40))  # b trains too: a's own solo round is not the swarm's
+    assert steps(await get(alice, f"/v1/jobs/{job_id}/progress")) == [40 + PROGRESS_MARGIN]
+    assert steps(await get(alice, f"/v1/jobs/{pair_job}/progress")) == []
 
 
 async def test_a_node_outside_the_job_adds_no_point(alice, pair):
