@@ -34,7 +34,11 @@ def test_a_lazy_colluding_pair_is_caught_banned_and_repaid_and_honest_rounds_pas
     # The pair's job first (only the pair asks little enough for it), then an honest one on nodes 2 and 3.
     spec = {"workload": "digits-mlp", "min_nodes": 2, "max_nodes": 2, "budget": 5.0,
             "stop": {"target_accuracy": TARGET, "max_epochs": 200}, "training": {"inner_steps": 50}}
-    lazy_job = lab.client.submit_job({**spec, "name": "lazy", "max_price_per_gpu_hour": 0.2})
+    # The pair computes nothing, so its rounds take only their all-reduce (about 2 s here) and count 2.2 epochs of
+    # samples each: at 200 epochs its job ended in 2 minutes, before the referees (a minute per re-computation on
+    # this machine) had convicted either, and its assignments ended completed, not banned.
+    lazy_job = lab.client.submit_job({**spec, "name": "lazy", "max_price_per_gpu_hour": 0.2,
+                                      "stop": {"target_accuracy": TARGET, "max_epochs": 5000}})
     lab.wait(lambda: len(lab.client.job(lazy_job.id).assignments) == 2, 60, "the pair to take its job")
     honest_job = lab.client.submit_job({**spec, "name": "honest", "max_price_per_gpu_hour": 1.0})
     lazy, honest = {lab.node_id(i) for i in LAZY}, {lab.node_id(i) for i in HONEST}
