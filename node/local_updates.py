@@ -36,10 +36,13 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 COMM_SHARE = 0.25  # the share of a round's wall time that averaging may take
+# The share of a lone member's round that its evaluation and hivemind's bookkeeping may take: its rounds average
+# nothing, so that time buys nothing (under 0.25 CPU, rounds of MIN_ROUND_COMPUTE spent a fifth of the run on it).
+LONE_SHARE = 0.1
 MIN_INNER_STEPS = 4
 MAX_INNER_STEPS = 1000
-# Seconds: every round ends with an evaluation and hivemind's epoch bookkeeping, which must stay a small share even
-# for a lone node (whose rounds carry no averaging at all).
+# Seconds: every round ends with an evaluation and hivemind's epoch bookkeeping, which must stay a small share
+# however cheap the averaging.
 MIN_ROUND_COMPUTE = 10.0
 MAX_ROUND_COMPUTE = 30.0  # seconds: more local steps than this learn less per sample; metrics at least this often
 ASSUMED_MBIT = 50.0  # the link assumed before the first round is measured
@@ -63,16 +66,17 @@ def first_round_estimate(parameter_count: int, matchmaking_time: float, members:
     return matchmaking_time + transfer
 
 
-def choose_inner_steps(step_seconds: float, round_seconds: float, fixed: int | None = None) -> int:
+def choose_inner_steps(step_seconds: float, round_seconds: float, fixed: int | None = None,
+                       share: float = COMM_SHARE) -> int:
     """Inner steps per round: `fixed` when the job says so; otherwise enough steps that the round's compute is
-    (1 - COMM_SHARE) / COMM_SHARE times its averaging, bounded by MIN/MAX_ROUND_COMPUTE seconds and
-    MIN/MAX_INNER_STEPS."""
+    (1 - share) / share times `round_seconds`, the round's time outside its inner steps (its averaging), bounded by
+    MIN/MAX_ROUND_COMPUTE seconds and MIN/MAX_INNER_STEPS."""
     if fixed is not None:
         return fixed
     if not (step_seconds > 0 and math.isfinite(step_seconds)):
         return MIN_INNER_STEPS
     round_seconds = round_seconds if math.isfinite(round_seconds) and round_seconds > 0 else 0.0
-    compute = round_seconds * (1 - COMM_SHARE) / COMM_SHARE
+    compute = round_seconds * (1 - share) / share
     compute = min(max(compute, MIN_ROUND_COMPUTE), MAX_ROUND_COMPUTE)
     return max(MIN_INNER_STEPS, min(MAX_INNER_STEPS, math.ceil(compute / step_seconds)))
 
@@ -82,8 +86,11 @@ def next_inner_steps(fixed: int | None, group: tuple[float, float] | None, own: 
     """Inner steps for the next round, after a round whose group had `group` pace (`group_pace`; None when this
     node was alone) and held every live member (`whole`) or not.
 
+    `own`: this node's seconds per inner step, and its rounds' seconds outside them (the optimizer step with any
+    averaging, the evaluation, a checkpoint).
     - `fixed`: the job's count.
-    - A whole group: `choose_inner_steps` from its pace (alike on every member), or `own` timing for a lone node.
+    - A whole group: `choose_inner_steps` from its pace (alike on every member). A lone member (the job's only
+      one): from its `own` timing, with LONE_SHARE, as its rounds average nothing.
     - A group without every member (the swarm met in two groups, or this node missed the round): what the other
       members published for the next round (`agreed()`), else `last_whole`, the count chosen after the last whole
       round, which every member that took part in it holds alike. The groups then finish their next shares
@@ -98,7 +105,7 @@ def next_inner_steps(fixed: int | None, group: tuple[float, float] | None, own: 
     if fixed is not None:
         return fixed
     if whole:
-        return choose_inner_steps(*(group or own))
+        return choose_inner_steps(*group) if group else choose_inner_steps(*own, share=LONE_SHARE)
     return agreed() or last_whole or choose_inner_steps(*(group or own))
 
 

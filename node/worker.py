@@ -532,7 +532,6 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                     optimizer.load_state_from_peers()
                 local.restart()
                 round_start = True
-                round_seconds = ema(round_seconds, stepped - stepping)
                 # The pace of the group whose round just ended (its claims are for the epoch it ended), alike on
                 # every member, so that all take the same inner steps; this node's own timing when it was alone.
                 pace = group_pace(c["payload"] for c in group.claims) if group and group.group_size > 1 else None
@@ -587,6 +586,8 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 path = checkpoints.write(state, optimizer, step, samples_total, done_step.position.model_dump())
                 emit("checkpoint", path=str(path), step=step)
             mark = time.monotonic()  # the round, the evaluation and the checkpoint were no step's time
+            if local is not None:  # what this node's rounds cost outside their inner steps (next_inner_steps' `own`)
+                round_seconds = ema(round_seconds, mark - stepping)
         return 0
     finally:
         done.set()
