@@ -64,6 +64,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 MICRO = 1_000_000
 THROUGHPUT_SLACK = 3.0  # a member may do this much more than its round's median peer (per GFLOP/s) unflagged
+# Seconds of slack on each side of the window ratio: a window runs from when its member saw one round end to when it
+# saw the next, and members see it up to about a second apart (the averaging, the tracker's refresh); with
+# sub-second rounds, bare ratios of 0.7 s to 0.3 s let a liar's flagged rounds be credited twice a peer's share.
+WINDOW_JITTER = 1.0
 GFLOPS_HISTORY = 5  # passed challenges whose median is a node's speed (one measured 2.2 to 38.8 on one machine)
 DHT_EPOCH_MARGIN = 5  # epochs a claim may run ahead of the DHT's progress records (they are read every 5 s)
 MINT = "mint"
@@ -297,10 +301,10 @@ def throughput_cap(claim: Contribution, peers: list[Contribution], gflops: dict[
     behind and stepped once after loading the state must not set the bar for the one that covered for it), each
     scaled up by the ratio of the nodes' GFLOP/s (`stable_gflops`) when that says this node is faster (never down:
     an honest node measured slow must not be flagged; 1 when unknown) and by the ratio of the claims' `windows` (by
-    claim id: seconds of its window while its node was in the job): a member that joined a round late, or started
-    training before the others arrived, claims in proportion to its time. One round's worth (target batch plus one
-    local batch, in mode "sync") is always plausible, which covers a node that trained alone while waiting for its
-    group."""
+    claim id: seconds of its window while its node was in the job, each counted `WINDOW_JITTER` longer): a member
+    that joined a round late, or started training before the others arrived, claims in proportion to its time. One
+    round's worth (target batch plus one local batch, in mode "sync") is always plausible, which covers a node that
+    trained alone while waiting for its group."""
     hp = spec.hyperparameters
     one_round = int(hp["target_batch_size"]) + int(hp.get("batch_size", 0)) if "target_batch_size" in hp else 0
     if peers:
@@ -309,7 +313,8 @@ def throughput_cap(claim: Contribution, peers: list[Contribution], gflops: dict[
         def share(p: Contribution) -> float:
             speed = max(1.0, mine / theirs) if mine and (theirs := gflops.get(p.node_id)) else 1.0
             mine_s, theirs_s = (windows.get(claim.id, 0.0), windows.get(p.id, 0.0)) if windows else (0.0, 0.0)
-            return p.samples * speed * (mine_s / theirs_s if mine_s > 0 and theirs_s > 0 else 1.0)
+            ratio = (mine_s + WINDOW_JITTER) / (theirs_s + WINDOW_JITTER) if mine_s > 0 and theirs_s > 0 else 1.0
+            return p.samples * speed * ratio
 
         return max(one_round, int(statistics.median_high(map(share, peers)) * slack))
     return one_round if claim.solo and one_round else None
@@ -410,7 +415,11 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
                 if v is not chosen and v.status == "pending":
                     v.status = "rejected"
             peers = [p for other, vs in by_node.items() if other != node_id for p in vs if p.status != "rejected"]
-            windows = {c.id: billable_seconds(c, -math.inf, assigned[c.node_id]) for c in (chosen, *peers)}
+            since = paid_until.get(node_id) or -math.inf
+            # Its own window starts no earlier than its previous paid claim: one claimed over time already paid
+            # for would raise its own cap.
+            windows = {c.id: billable_seconds(c, since if c is chosen else -math.inf, assigned[c.node_id])
+                       for c in (chosen, *peers)}
             cap = throughput_cap(chosen, peers, gflops, spec, windows)
             credited = chosen.samples if cap is None else min(chosen.samples, cap)
             # A node's first credited round is capped but not flagged: members start at different times, and while
@@ -424,7 +433,6 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
                 events.append(f"node {node_id} claimed {chosen.samples} samples for epoch {epoch}; "
                               f"credited {credited} (measured throughput)")
             fraction = credited / chosen.samples if chosen.samples else 1.0
-            since = paid_until.get(node_id) or -math.inf
             chosen.status, chosen.credited_samples = "credited", credited
             chosen.credited_seconds = billable_seconds(chosen, since, assigned[node_id]) * fraction
             paid_until[node_id] = max(since, chosen.window_end)
