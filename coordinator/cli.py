@@ -62,6 +62,8 @@ def serve(
                                                      "unattested claims rejected, unspent budget refunded.")] = 30.0,
     audit_rate: Annotated[float, typer.Option(min=0, max=1, help="The share of credited rounds (jobs in mode diloco "
                                                                  "or fedavg) a third node re-computes.")] = 0.05,
+    max_job_failures: Annotated[int, typer.Option(min=1, help="Node failures (a crash, the workload's error) after "
+                                                             "which a job fails for good.")] = 3,
     owner_quota_gb: Annotated[float, typer.Option(min=0, help="Bytes (GiB) of code and data one job owner may hold "
                                                              "in the blob store.")] = 20.0,
     blob_retention: Annotated[float, typer.Option(min=0, help="Seconds a blob that no job or artifact references is "
@@ -79,7 +81,7 @@ def serve(
     logs.configure(log_level, log_format, "coordinator")
     config = CoordinatorConfig(data_dir=data_dir, database_url=database_url, dht_host=dht_host, dht_port=dht_port,
                                node_timeout=node_timeout, mesh_cidr=mesh_cidr, settle_grace=settle_grace,
-                               audit_rate=audit_rate,
+                               audit_rate=audit_rate, max_job_failures=max_job_failures,
                                owner_quota_bytes=int(owner_quota_gb * 1024**3), blob_retention=blob_retention,
                                dht_initial_peers=list(dht_initial_peer or []), blob_store_dir=blob_dir)
     try:
