@@ -21,6 +21,7 @@ from localswarm import LocalSwarm
 pytestmark = pytest.mark.integration
 EXAMPLE = Path(__file__).parents[2] / "examples" / "sweep" / "sweep.toml"
 TRIALS = 5
+EPOCHS = 4
 
 
 @pytest.fixture
@@ -42,8 +43,11 @@ def cli(lab: LocalSwarm, *args: str) -> str:
 
 def test_a_sweep_prunes_trials_and_keeps_the_best(swarm, tmp_path):
     sweep_file = tmp_path / "sweep.toml"
-    sweep_file.write_text(EXAMPLE.read_text().replace("trials = 12", f"trials = {TRIALS}"))
-    assert tomllib.loads(sweep_file.read_text())["trials"] == TRIALS
+    # Four epochs still pass both of ASHA's rungs (1 and 3); the example's eight took half the test's time.
+    sweep_file.write_text(EXAMPLE.read_text().replace("trials = 12", f"trials = {TRIALS}")
+                          .replace("max_epochs = 8", f"max_epochs = {EPOCHS}"))
+    sweep = tomllib.loads(sweep_file.read_text())
+    assert (sweep["trials"], sweep["job"]["stop"]["max_epochs"]) == (TRIALS, EPOCHS)
     sweep_id = json.loads(cli(swarm, "sweep", "submit", str(sweep_file), "--json"))["id"]
 
     deadline = time.monotonic() + 600
