@@ -79,8 +79,29 @@ def _chain(cert_json: str, binding_json: str, authority: str) -> Chain:
     return Chain(cert_payload, binding_payload, scope_keys(cert_payload.scope), key)
 
 
+# Records up to this size are remembered once they pass (`check_record`): a peer reads the same few records over and
+# over (hivemind's matchmaking polls its group key several times a second while it looks for a group, the tracker
+# its progress key every second), and checking each copy again was a fifth of a training node's DHT process's CPU.
+CACHED_RECORD_BYTES = 4096
+
+
 def check_record(record: DHTRecord, authority: str) -> tuple[Chain, bytes]:
-    """Check a raw record's proof: (its verified chain, its value without the proof). ValueError otherwise."""
+    """Check a raw record's proof: (its verified chain, its value without the proof). ValueError otherwise.
+
+    The answer depends on the record's bytes and the authority alone, so a record that passed once passes again
+    from the cache (`_passed`, keyed by all of them: any other value, signature or expiry is checked afresh); a
+    failing one is never remembered."""
+    if len(record.value) <= CACHED_RECORD_BYTES:
+        return _passed(record.key, record.subkey, record.value, record.expiration_time, authority)
+    return _check(record, authority)
+
+
+@lru_cache(maxsize=2048)
+def _passed(key: bytes, subkey: bytes, value: bytes, expiration_time: float, authority: str) -> tuple[Chain, bytes]:
+    return _check(DHTRecord(key, subkey, value, expiration_time), authority)
+
+
+def _check(record: DHTRecord, authority: str) -> tuple[Chain, bytes]:
     value, proof = split_proof(record.value)
     if proof is None:
         raise ValueError("the record carries no proof from a registered node")

@@ -10,6 +10,7 @@ import hivemind
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gpuswarm.dht import hivemind_adapter
+from gpuswarm.dht import validators as validators_module
 from gpuswarm.dht.validators import (
     SwarmRecordValidator,
     WriterProof,
@@ -124,8 +125,28 @@ def test_a_copied_proof_does_not_carry_another_value_or_expiry():
     exp = time.time() + 20
     record = signed_record(proof, RUN + ".members", node.node_id, 1.0, exp)
     trailer = record.value[len(pack(1.0)):]
+    assert accepted(record)  # and remembered: what follows must not pass on its strength
     assert not accepted(DHTRecord(record.key, record.subkey, pack(2.0) + trailer, exp))
     assert not accepted(DHTRecord(record.key, record.subkey, record.value, exp + 10))
+    assert not SwarmRecordValidator(public_key_b64(Ed25519PrivateKey.generate().public_key())).validate(record)
+
+
+def test_a_record_that_passed_is_not_checked_again_and_a_failing_one_always_is(monkeypatch):
+    node = identity()
+    record = signed_record(writer(node, RUN, [node.node_id]), RUN + ".members", node.node_id, 3.0, time.time() + 20)
+    checks = []
+    real = validators_module._check
+    monkeypatch.setattr(validators_module, "_check", lambda *a: checks.append(a) or real(*a))
+    assert accepted(record) and accepted(DHTRecord(record.key, record.subkey, record.value, record.expiration_time))
+    assert len(checks) == 1
+    forged = DHTRecord(record.key, record.subkey, record.value[:-1] + bytes([record.value[-1] ^ 1]),
+                       record.expiration_time)
+    assert not accepted(forged) and not accepted(forged)
+    assert len(checks) == 3
+    # A record too large to keep is checked every time.
+    big = signed_record(writer(node, RUN, [node.node_id]), RUN + ".members", node.node_id, "x" * 5000,
+                        time.time() + 20)
+    assert accepted(big) and accepted(big) and len(checks) == 5
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x00gpswrm1", b"x" * 10 + b"\x00\x00\x00\x05\x00gpswrm1",
