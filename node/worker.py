@@ -288,6 +288,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         averager_options,
         install_robust_reducer,
         optimizer_class,
+        throttle_matchmaking,
     )
     from gpuswarm.dht.swarm import SwarmDHT
     from gpuswarm.dht.validators import validators
@@ -395,6 +396,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         attestor = ClaimAttestor(daemon, a.node_id, a.job_id, str(dht.peer_id), report_round,
                                  inflate=inflate, on_failed=report_failed_round)
         install_robust_reducer(str(workdir / "outliers.jsonl"))  # before hivemind forks its averagers
+        throttle_matchmaking()
         if (factor := byzantine_fault()) is not None:
             poison_outgoing_parts(factor)
         # hivemind.Optimizer that matchmakes ahead of a round only when it has peers (hivemind_adapter).

@@ -233,6 +233,7 @@ def _one_round(run: str, grad: float, initial_peers: tuple[str, ...] = ()) -> tu
     after it)."""
     import torch
 
+    adapter.throttle_matchmaking()  # as the worker runs its rounds
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
     params = [torch.nn.Parameter(torch.zeros(1))]
     opt = None
@@ -409,3 +410,37 @@ def test_a_round_with_the_averager_settings_is_whole():
             averager.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+def test_matchmaking_reads_its_group_key_at_most_once_a_poll_period(monkeypatch):
+    """hivemind's matchmaking re-reads its group key as soon as a read returns while it sees no better leader; with
+    `throttle_matchmaking` the reads are at least MATCHMAKING_POLL_SECONDS apart, and still return what the DHT
+    holds."""
+    import asyncio
+
+    from hivemind.averaging.key_manager import GroupKeyManager
+
+    adapter.throttle_matchmaking()
+    adapter.throttle_matchmaking()  # idempotent
+    monkeypatch.setattr(adapter, "MATCHMAKING_POLL_SECONDS", 0.3)
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        manager = GroupKeyManager(dht, "gpuswarm_j_00000000d1d1_grad_averager", "", target_group_size=2)
+        reads: list[float] = []
+        real_get = dht.get
+
+        def get(*args, **kwargs):
+            reads.append(time.monotonic())
+            return real_get(*args, **kwargs)
+
+        monkeypatch.setattr(dht, "get", get)
+
+        async def poll() -> list:
+            await manager.declare_averager(manager.current_key, dht.peer_id, get_dht_time() + 30)
+            return [await manager.get_averagers(manager.current_key, only_active=True) for _ in range(4)]
+
+        found = asyncio.run(poll())
+    finally:
+        dht.shutdown()
+    assert all([peer for peer, _ in f] == [dht.peer_id] for f in found), found
+    assert len(reads) == 4 and all(b - a >= 0.29 for a, b in zip(reads, reads[1:], strict=False)), reads
