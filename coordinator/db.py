@@ -439,9 +439,14 @@ def make_engine(url: str) -> AsyncEngine:
         @event.listens_for(engine.sync_engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):  # noqa: ANN001 - DB-API types
             cursor = dbapi_connection.cursor()
-            # WAL lets the CLI read while the service writes; busy_timeout rides out short write locks.
-            cursor.execute("PRAGMA journal_mode=WAL")
+            # WAL lets the CLI read while the service writes; busy_timeout rides out short write locks. The mode
+            # persists in the file, so it is switched only where it is not WAL yet: a second coordinator (or
+            # migrator) connecting while the first held the write lock was refused "database is locked" by the
+            # switch, which needs an exclusive lock, even where the file was WAL already.
             cursor.execute("PRAGMA busy_timeout=5000")
+            cursor.execute("PRAGMA journal_mode")
+            if str(cursor.fetchone()[0]).lower() != "wal":
+                cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=NORMAL")  # with WAL: durable at checkpoints, safe against corruption
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
