@@ -8,6 +8,7 @@ Times are stored as UNIX seconds (floats), which keeps them comparable with the 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.util import await_only
 
 # Every constraint gets a predictable name, so a migration can drop or change it on any database (SQLite reports
 # none of its own, and PostgreSQL invents others). Changing this renames constraints: it needs a migration too.
@@ -427,6 +429,31 @@ class SeenNonce(Base):
     expires_at: Mapped[float] = mapped_column(Float, index=True)
 
 
+WAL_SWITCH_SECONDS = 10.0
+
+
+def _switch_to_wal(cursor) -> None:  # noqa: ANN001 - a DB-API cursor
+    """Put the database file in WAL mode (the mode persists in the file), waiting out other connections.
+
+    The switch needs an exclusive lock, and SQLite refuses it at once ("database is locked") while another
+    connection holds the write lock, whatever busy_timeout says: two coordinators (or migrators) starting together
+    on a new file met this in CI. So the switch is retried until another connection has made the file WAL or the
+    lock is free. The hook runs in SQLAlchemy's greenlet on the event loop, so it waits with asyncio.sleep: a
+    blocking sleep would also stop a lock holder on the same loop."""
+    deadline = time.monotonic() + WAL_SWITCH_SECONDS
+    while True:
+        cursor.execute("PRAGMA journal_mode")
+        if str(cursor.fetchone()[0]).lower() == "wal":
+            return
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except Exception as e:  # the driver's OperationalError (sqlite3's, wrapped by the async adapter)
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+        await_only(asyncio.sleep(0.05))
+
+
 def make_engine(url: str) -> AsyncEngine:
     # SQLite has one writer at a time. Several pooled connections would contend for its lock inside the database
     # (a deferred transaction that reads and then writes fails at once with "database is locked", and the busy
@@ -439,14 +466,9 @@ def make_engine(url: str) -> AsyncEngine:
         @event.listens_for(engine.sync_engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):  # noqa: ANN001 - DB-API types
             cursor = dbapi_connection.cursor()
-            # WAL lets the CLI read while the service writes; busy_timeout rides out short write locks. The mode
-            # persists in the file, so it is switched only where it is not WAL yet: a second coordinator (or
-            # migrator) connecting while the first held the write lock was refused "database is locked" by the
-            # switch, which needs an exclusive lock, even where the file was WAL already.
+            # WAL lets the CLI read while the service writes; busy_timeout rides out short write locks.
             cursor.execute("PRAGMA busy_timeout=5000")
-            cursor.execute("PRAGMA journal_mode")
-            if str(cursor.fetchone()[0]).lower() != "wal":
-                cursor.execute("PRAGMA journal_mode=WAL")
+            _switch_to_wal(cursor)
             cursor.execute("PRAGMA synchronous=NORMAL")  # with WAL: durable at checkpoints, safe against corruption
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()

@@ -151,6 +151,31 @@ async def test_two_migrators_at_once_both_end_at_head(url: str):
     assert await migrate.schema_differences(url) == []
 
 
+async def test_a_connection_waits_for_another_writers_lock_before_switching_to_wal(tmp_path: Path):
+    """A new file in rollback mode, write-locked by another connection: the engine's switch to WAL waits for the
+    lock (SQLite refuses it at once, whatever busy_timeout says) and the loop stays free meanwhile."""
+    path = tmp_path / "locked.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("INSERT INTO t VALUES (1)")
+
+    async def release_later() -> None:
+        await asyncio.sleep(0.5)  # runs only if connecting does not block the event loop
+        holder.execute("COMMIT")
+
+    engine = make_engine(f"sqlite+aiosqlite:///{path}")
+    try:
+        release = asyncio.create_task(release_later())
+        async with engine.connect() as conn:
+            assert (await conn.exec_driver_sql("PRAGMA journal_mode")).scalar_one() == "wal"
+            assert (await conn.exec_driver_sql("SELECT count(*) FROM t")).scalar_one() == 1
+        await release
+    finally:
+        await engine.dispose()
+        holder.close()
+
+
 async def test_database_with_jobs_and_claims_from_before_accounts_upgrades_to_head(tmp_path: Path):
     """Rows from the first release survive: jobs go to a `legacy` owner, old claims become credited, unpaid."""
     url = database_from_before_migrations(tmp_path / "old.db", rows=True)
