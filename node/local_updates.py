@@ -36,9 +36,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 COMM_SHARE = 0.25  # the share of a round's wall time that averaging may take
-# The share of a lone member's round that its evaluation and hivemind's bookkeeping may take: its rounds average
-# nothing, so that time buys nothing (under 0.25 CPU, rounds of MIN_ROUND_COMPUTE spent a fifth of the run on it).
-LONE_SHARE = 0.1
 MIN_INNER_STEPS = 4
 MAX_INNER_STEPS = 1000
 # Seconds: every round ends with an evaluation and hivemind's epoch bookkeeping, which must stay a small share
@@ -77,7 +74,20 @@ def choose_inner_steps(step_seconds: float, round_seconds: float, fixed: int | N
         return MIN_INNER_STEPS
     round_seconds = round_seconds if math.isfinite(round_seconds) and round_seconds > 0 else 0.0
     compute = round_seconds * (1 - share) / share
-    compute = min(max(compute, MIN_ROUND_COMPUTE), MAX_ROUND_COMPUTE)
+    return _steps_for(min(max(compute, MIN_ROUND_COMPUTE), MAX_ROUND_COMPUTE), step_seconds)
+
+
+def lone_inner_steps(step_seconds: float) -> int:
+    """Inner steps per round for a job's only member: MAX_ROUND_COMPUTE of them. Its rounds average nothing, so
+    all a round buys is an evaluation (the stop rule's check, the owner's progress), and each costs the job's
+    evaluation and hivemind's bookkeeping. Rounds of MIN_ROUND_COMPUTE made tinylm's lone member evaluate every 8
+    steps under 0.4 CPU, where the plain loop it is compared with evaluates every 20 (docs/benchmarks.md)."""
+    if not (step_seconds > 0 and math.isfinite(step_seconds)):
+        return MIN_INNER_STEPS
+    return _steps_for(MAX_ROUND_COMPUTE, step_seconds)
+
+
+def _steps_for(compute: float, step_seconds: float) -> int:
     return max(MIN_INNER_STEPS, min(MAX_INNER_STEPS, math.ceil(compute / step_seconds)))
 
 
@@ -90,7 +100,7 @@ def next_inner_steps(fixed: int | None, group: tuple[float, float] | None, own: 
     averaging, the evaluation, a checkpoint).
     - `fixed`: the job's count.
     - A whole group: `choose_inner_steps` from its pace (alike on every member). A lone member (the job's only
-      one): from its `own` timing, with LONE_SHARE, as its rounds average nothing.
+      one): `lone_inner_steps` from its `own` step time, as its rounds average nothing.
     - A group without every member (the swarm met in two groups, or this node missed the round): what the other
       members published for the next round (`agreed()`), else `last_whole`, the count chosen after the last whole
       round, which every member that took part in it holds alike. The groups then finish their next shares
@@ -105,7 +115,7 @@ def next_inner_steps(fixed: int | None, group: tuple[float, float] | None, own: 
     if fixed is not None:
         return fixed
     if whole:
-        return choose_inner_steps(*group) if group else choose_inner_steps(*own, share=LONE_SHARE)
+        return choose_inner_steps(*group) if group else lone_inner_steps(own[0])
     return agreed() or last_whole or choose_inner_steps(*(group or own))
 
 
