@@ -612,10 +612,10 @@ def given_threads() -> int:
 def start_trainer(link: TrainerLink, spec, inputs: Inputs):
     """Start the job's trainer on this process's GPUs (CUDA_VISIBLE_DEVICES) and threads (GPUSWARM_TORCH_THREADS),
     both set by the runner, at the nice level the daemon asks for; its Hello."""
-    import torch
+    from gpuswarm.node.trainer import configure_torch
 
     threads = given_threads()
-    torch.set_num_threads(threads)
+    configure_torch(threads)  # this process steps the outer optimizer and reduces the peers' parts on the CPU
     gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     return link.start(spec.model_dump(mode="json"), inputs, gpus, threads,
                       int(os.environ.get("GPUSWARM_TRAIN_NICE", "10")))

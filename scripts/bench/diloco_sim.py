@@ -41,7 +41,9 @@ def main() -> None:
     p.add_argument("--target", type=float, default=3.9, help="val_bpb to reach")
     p.add_argument("--max-rounds", type=int, default=400)
     a = p.parse_args()
-    torch.set_num_threads(1)
+    from gpuswarm.node.trainer import configure_torch
+
+    configure_torch(1)  # as the node's trainer: one thread, subnormals flushed
     with tempfile.TemporaryDirectory() as tmp:
         spec = JobSpec.model_validate({
             "code": {"sha256": "0" * 64, "size": 1, "format": "tar", "entrypoint": "tinylm.workload:TinyLM"},

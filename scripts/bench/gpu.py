@@ -85,8 +85,9 @@ class Smi:
 def plain_loop(data: str, device_name: str, seconds: float) -> None:
     """The floor: the workload stepping alone in this process; prints one JSON line."""
     import torch
+    from gpuswarm.node.trainer import configure_torch
 
-    torch.set_num_threads(1)
+    configure_torch(1)  # as the node's trainer: one thread, subnormals flushed
     sys.path.insert(0, str(TINYLM))
     from gpuswarm.node.trainer import ShardStream, build_workload
     from gpuswarm.proto.models import JobSpec

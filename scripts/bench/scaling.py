@@ -113,8 +113,9 @@ def plain_loop(data: str, target: str, eval_every: int, max_seconds: float, work
     `target`."""
     started = time.monotonic()
     import torch
+    from gpuswarm.node.trainer import configure_torch
 
-    torch.set_num_threads(1)
+    configure_torch(1)  # as the node's trainer: one thread, subnormals flushed
     sys.path.insert(0, str(ROOT / "examples" / "tinylm"))
     from gpuswarm.node.trainer import ShardStream, build_workload
     from gpuswarm.proto.models import JobSpec
@@ -301,6 +302,9 @@ def main() -> int:
         plain_loop(args.plain_loop, args.target, args.eval_every, args.max_seconds, args.workload)
         return 0
     reason = netlab.unavailable_reason() or quota_unavailable()
+    if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
+        # A case's coordinator would find the last run's database (and its owner) and fail minutes in.
+        reason = f"--keep {args.keep} is not empty: name a new directory"
     if reason:
         print(f"scaling: {reason}", file=sys.stderr)
         return 1

@@ -125,7 +125,9 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to docs/benchmarks.md")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    from gpuswarm.node.trainer import configure_torch
+
+    configure_torch(1)  # as the node's trainer: one thread, subnormals flushed
     device = torch.device(args.device)
     gpus = ["0"] if device.type == "cuda" else []
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)

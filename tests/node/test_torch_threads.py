@@ -1,9 +1,13 @@
-"""`runner.torch_threads`: how many torch threads a job's worker and trainer get (a pure function)."""
+"""`runner.torch_threads`: how many torch threads a job's worker and trainer get (a pure function), and
+`trainer.configure_torch`: how those threads compute."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
+import pytest
 from gpuswarm.node.runner import torch_threads, usable_cpus
 from hypothesis import given
 from hypothesis import strategies as st
@@ -35,3 +39,30 @@ def test_a_share_of_the_cpus_within_the_quota(job, node, cpus, quota):
 
 def test_usable_cpus_is_within_this_process_affinity():
     assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+FLUSH_CHECK = """
+import sys
+from gpuswarm.node.trainer import configure_torch
+import torch
+if sys.argv[1] == "configured" and not configure_torch(2):
+    print("unsupported")
+else:
+    torch.set_num_threads(2)
+    small = torch.full((1 << 20,), 1e-30) * 1e-10  # 1e-40: a subnormal float32 unless flushed
+    print(int((small != 0).sum()))
+"""
+
+
+def subnormals_left(how: str) -> str:
+    return subprocess.run([sys.executable, "-c", FLUSH_CHECK, how], capture_output=True, text=True, timeout=120,
+                          check=True).stdout.strip()
+
+
+def test_configured_threads_flush_subnormals_on_every_intra_op_thread():
+    # A million elements: torch splits the multiply over both threads, the pool's own included.
+    flushed = subnormals_left("configured")
+    if flushed == "unsupported":
+        pytest.skip("this CPU cannot flush subnormals (not x86 with SSE3)")
+    assert flushed == "0"
+    assert subnormals_left("plain") == str(1 << 20)  # the same multiply keeps them without it
