@@ -296,12 +296,14 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
     from gpuswarm.node.evidence import RoundEvidence
     from gpuswarm.node.local_updates import (
         INNER_CHUNK_SECONDS,
+        MIN_INNER_STEPS,
         STATE_AVERAGING_EVERY,
         LocalUpdates,
         choose_inner_steps,
         first_round_estimate,
         group_pace,
         next_inner_steps,
+        steps_to_target,
     )
     from gpuswarm.node.workloads.saved import flat_optimizer_state, load_checkpoint
     from gpuswarm.proto.models import Assignment
@@ -385,6 +387,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         round_seconds = first_round_estimate(sum(shared.sizes), hello.matchmaking_time, members)
         inner_steps = choose_inner_steps(1.0, round_seconds, fixed_steps)
         last_whole: int | None = None  # the count chosen after the last round that held every member
+        last_evaluation = None  # (samples, metrics) at this member's last evaluation
 
         def round_target(count: int) -> int:
             """hivemind's sample target for a round: every member's share (members' own in mode "fedavg")."""
@@ -581,6 +584,17 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 emit("finished", path=str(path), accuracy=accuracy if accuracy is not None and 0 <= accuracy <= 1
                      else None, epoch=round(epochs or 0.0, 3), global_step=step, metrics=metrics, reason=reason)
                 return 0
+            if local is not None and fixed_steps is None and count == 1:
+                # A lone member's next round ends no later than the line through its last two evaluations
+                # reaches the stop rule's target (steps_to_target).
+                evaluation = (samples_total, metrics)
+                cut = steps_to_target(spec.stop.metric_targets(), last_evaluation, evaluation, hello.batch_size)
+                last_evaluation = evaluation
+                if cut is not None and cut < inner_steps:
+                    inner_steps = max(cut, MIN_INNER_STEPS)
+                    optimizer.tracker.target_batch_size = round_target(count)
+                    logger.info("the stop rule's target is about %d inner steps away: the next round takes %d",
+                                cut, inner_steps)
             if index == 0 and checkpoints.due(step):
                 link.request("save_state", "saved", f"saving the state of step {step}", version=shared.version,
                              name="state.pt")

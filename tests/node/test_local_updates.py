@@ -22,6 +22,7 @@ from gpuswarm.node.local_updates import (
     group_pace,
     lone_inner_steps,
     next_inner_steps,
+    steps_to_target,
 )
 from gpuswarm.proto.trainer import OptimizerSpec
 from hivemind.utils.crypto import RSAPrivateKey
@@ -258,3 +259,34 @@ def test_the_pace_of_a_group_and_what_it_ignores():
     assert group_pace([{"steps": 0, "compute_seconds": 1.0, "window_start": 0.0, "window_end": 1.0},
                        {"steps": 5, "compute_seconds": float("nan"), "window_start": 0.0, "window_end": 1.0},
                        {"steps": "5", "compute_seconds": 1.0}]) is None
+
+
+def test_steps_to_target_follows_the_line_through_the_last_two_evaluations():
+    targets = [("val_bpb", "<=", 3.75)]
+    # 0.5 lower over 320 samples (10 steps of 32): 0.25 to go is 5 steps
+    assert steps_to_target(targets, (0, {"val_bpb": 4.5}), (320, {"val_bpb": 4.0}), 32) == 5
+    assert steps_to_target([("accuracy", ">=", 0.9)], (0, {"accuracy": 0.5}), (100, {"accuracy": 0.8}), 10) == 4
+    # the first of several targets counts
+    both = [*targets, ("accuracy", ">=", 0.9)]
+    assert steps_to_target(both, (0, {"val_bpb": 5.0, "accuracy": 0.5}), (10, {"val_bpb": 4.0, "accuracy": 0.89}),
+                           1) == 1
+    # no line to follow: no earlier evaluation, no progress, met already, a metric missing or not finite
+    assert steps_to_target(targets, None, (320, {"val_bpb": 3.95}), 32) is None
+    assert steps_to_target(targets, (0, {"val_bpb": 3.95}), (320, {"val_bpb": 3.97}), 32) is None
+    assert steps_to_target(targets, (0, {"val_bpb": 4.0}), (320, {"val_bpb": 3.7}), 32) is None
+    assert steps_to_target(targets, (0, {"loss": 4.0}), (320, {"loss": 3.95}), 32) is None
+    assert steps_to_target(targets, (0, {"val_bpb": float("nan")}), (320, {"val_bpb": 3.95}), 32) is None
+    assert steps_to_target(targets, (320, {"val_bpb": 4.0}), (320, {"val_bpb": 3.95}), 32) is None
+
+
+@given(a=st.floats(-1e6, 1e6), b=st.floats(-1e6, 1e6), threshold=st.floats(-1e6, 1e6),
+       samples=st.integers(1, 10**7), batch=st.integers(1, 4096), op=st.sampled_from(["<=", ">="]))
+def test_steps_to_target_is_a_positive_count_only_while_moving_towards_an_unmet_target(a, b, threshold, samples,
+                                                                                       batch, op):
+    steps = steps_to_target([("m", op, threshold)], (0, {"m": a}), (samples, {"m": b}), batch)
+    towards = b < a if op == "<=" else b > a
+    unmet = b > threshold if op == "<=" else b < threshold
+    if steps is None:
+        assert not (towards and unmet)
+    else:
+        assert towards and unmet and steps >= 1
