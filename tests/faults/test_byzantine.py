@@ -58,10 +58,13 @@ def test_a_byzantine_node_cannot_steer_the_model(lab, attack):
     # Unattested work is unpaid (the credit rule). CI once saw one honest node's 4 claims all unattested, likely a
     # node that fell behind the others' one-second rounds on the loaded two-core host (its logs were not kept). It
     # must never be flagged, and the honest nodes whose rounds were attested are paid.
+    for i in range(3):  # what the next reader of CI's output needs to see why an honest node went unpaid
+        if rows.get(lab.node_id(i)) is None or rows[lab.node_id(i)].paid == 0:
+            print(f"honest node {i} unpaid; the tail of its log:\n{lab.log_tail(f'node-{i}', 25)}")
     assert sum(1 for n in honest if n in rows and rows[n].paid > 0) >= 2, rows
     assert bad not in rows or rows[bad].paid == 0, rows[bad]
     started = min(a.created_at for a in done.assignments)
     figures = {"case": f"byzantine node ({attack})", "accuracy": done.final_accuracy,
                "banned_after_s": round(banned_at - started, 1),
-               "honest_claims_credited": sorted(f"{rows[n].samples}/{rows[n].claimed_samples}" for n in honest if n in rows)}
+               "honest_credited": sorted(f"{rows[n].samples}/{rows[n].claimed_samples}" for n in honest if n in rows)}
     print(f"FAULT {json.dumps(figures)}")
