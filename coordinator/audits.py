@@ -12,8 +12,10 @@ the job and has forfeited what the job paid it, and its round-mates' claims of t
 partner in a collusion has to show its own evidence). An unanswered audit forfeits the job's pay: evidence is kept
 on the node's disk for its last rounds, so an honest node that is online can always answer.
 
-Pure decisions (`drawn`, `can_referee`, `pick_referee`) are keyed by the authority's secret, so a node can neither
-predict which of its rounds are checked nor steer which node referees it.
+A referee is never the audited node nor its round-mates, and no member of the job for as long as the audit may
+wait for another node (`MEMBER_REFEREE_AFTER`). Pure decisions (`drawn`, `can_referee`, `pick_referee`) are keyed
+by the authority's secret, so a node can neither predict which of its rounds are checked nor steer which node
+referees it.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ import secrets
 from collections.abc import Iterable
 
 from gpuswarm.coordinator import ledger
-from gpuswarm.coordinator.db import Attestation, Audit, Contribution, Job, JobEvent, Node
+from gpuswarm.coordinator.db import AssignmentRow, Attestation, Audit, Contribution, Job, JobEvent, Node
 from gpuswarm.coordinator.matcher import meets_requirements
 from gpuswarm.proto.audits import AuditRequest, AuditVerdict, RefereeTask
-from gpuswarm.proto.models import JobSpec, Resources
+from gpuswarm.proto.models import AssignmentState, JobSpec, Resources
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -37,6 +39,11 @@ AUDIT_WINDOW = 120.0  # seconds after its report a credited claim can be drawn (
 EVIDENCE_TIMEOUT = 300.0  # seconds a node has to upload a round's evidence
 VERDICT_TIMEOUT = 300.0  # seconds a referee has to re-compute a round
 AUDIT_LIFETIME = 3600.0  # an audit no referee could take for this long is void
+# Seconds an audit waits for a referee outside its job before the job's own members may take it. A member's
+# re-computation takes the compute the job is paying for, and every round waits for its slowest member: in a 4-node
+# tinylm run one member refereed another's round for 2 minutes, its trainer fell to a fifth of its CPU, and the
+# next two rounds waited 44 s and 20 s for it. Long jobs with no node outside them are still audited.
+MEMBER_REFEREE_AFTER = 600.0
 MAX_REFEREE_TRIES = 4  # referees that let their deadline pass before an audit is void
 CONVICTION = ledger.BAN_QUORUM  # distinct referees whose verdicts on a node's rounds failed: it is banned
 
@@ -144,8 +151,8 @@ async def round_mates(session: AsyncSession, audit: Audit) -> set[str]:
 async def assign(session: AsyncSession, key: bytes, now: float) -> None:
     """Give waiting audits referees, those waiting for a second opinion first, then the oldest: an online node that
     can run the job, was neither in the round, nor banned from the job, nor asked before for this audit, never
-    failed an audit itself, and is not re-computing another round (one at a time: a referee is a node doing its
-    own work too)."""
+    failed an audit itself, is not re-computing another round (one at a time: a referee is a node doing its
+    own work too), and is not training the job, unless the audit has waited MEMBER_REFEREE_AFTER for anyone else."""
     waiting = (await session.scalars(select(Audit).where(Audit.state == "waiting")
                                      .order_by(Audit.failures.desc(), Audit.requested_at))).all()
     if not waiting:
@@ -160,6 +167,7 @@ async def assign(session: AsyncSession, key: bytes, now: float) -> None:
     banned = await ledger.banned(session, list({a.job_id for a in waiting}))
     convicted = set((await session.scalars(select(Audit.node_id).where(Audit.state == "failed"))).all())
     candidates: dict[str, list[str]] = {}  # by job: the online nodes that can run it
+    members: dict[str, set[str]] = {}  # by job: the nodes training it now
     for audit in waiting:
         if audit.node_id in banned.get(audit.job_id, set()):  # convicted already: nothing more to learn
             audit.state, audit.reason = ("failed", audit.reason) if audit.failures else (
@@ -170,8 +178,12 @@ async def assign(session: AsyncSession, key: bytes, now: float) -> None:
         if audit.job_id not in candidates:
             spec = JobSpec.model_validate((await session.get(Job, audit.job_id)).spec)
             candidates[audit.job_id] = [n for n, r in resources.items() if can_referee(r, spec)]
+            members[audit.job_id] = set((await session.scalars(select(AssignmentRow.node_id).where(
+                AssignmentRow.job_id == audit.job_id, AssignmentRow.state == AssignmentState.ACTIVE.value))).all())
         excluded = ({audit.node_id} | await round_mates(session, audit) | banned.get(audit.job_id, set())
                     | set(audit.excluded) | set(audit.referees) | busy | convicted)
+        if now - audit.requested_at < MEMBER_REFEREE_AFTER:
+            excluded |= members[audit.job_id]
         referee = pick_referee(candidates[audit.job_id], excluded, key,
                                f"{audit.id}:{len(audit.referees) + len(audit.excluded)}")
         if referee is not None:

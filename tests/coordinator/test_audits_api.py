@@ -17,6 +17,7 @@ import time
 
 import pytest
 from aiohttp.test_utils import TestServer
+from gpuswarm.coordinator import audits
 from gpuswarm.coordinator.app import create_app
 from gpuswarm.coordinator.audits import can_referee, drawn, pick_referee
 from gpuswarm.coordinator.config import SESSIONS, CoordinatorConfig
@@ -194,6 +195,42 @@ async def test_refused_audit_requests_change_nothing(alice, audited):
     await rejected(alice, "POST", f"/v1/audits/{audit_id}/verdict", 422, None,
                    json=signed(referee, "verdict", {"audit_id": audit_id, "node_id": referee.node_id,
                                                     "passed": "maybe"}))
+
+
+async def test_a_member_of_the_job_referees_it_only_once_nobody_else_could(alice, monkeypatch):
+    """c trains the job but was not in the audited round. It is no referee of the round while the audit is younger
+    than MEMBER_REFEREE_AFTER (its re-computation would take the compute the job pays for, and every round waits
+    for its slowest member); a node outside the job takes the audit, and c does once the wait is over."""
+    a, b, c = [await register_priced(alice, 1.0) for _ in range(3)]
+    job_id = await submit(alice, min_nodes=3, max_nodes=3, budget=10.0)
+    for node in (a, b, c):
+        await wait_for_assignment(alice, node, job_id)
+    await asyncio.sleep(1.0)  # a window inside the assignments: paid
+    window = {"window_start": time.time() - 0.9, "window_end": time.time()}
+    claims = [claim(a, job_id, **window), claim(b, job_id, **window)]
+    await report(alice, a, job_id, claims)
+    await report(alice, b, job_id, claims[::-1])
+    [first] = await wait_for(lambda: polled(alice, a, "audits"))
+    [second] = await wait_for(lambda: polled(alice, b, "audits"))
+    await upload(alice, a, first["audit_id"])
+    await upload(alice, b, second["audit_id"])
+
+    async def beat() -> None:  # c stays online: silent for node_timeout, it would be no candidate at all
+        response = await alice.post("/v1/nodes/heartbeat",
+                                    json=signed(c, "heartbeat", {"node_id": c.node_id, "state": "training"}))
+        assert response.status == 200, await response.text()
+
+    for _ in range(5):  # five ticks of the coordinator's loop with c the only node outside the round
+        await beat()
+        await asyncio.sleep(0.2)
+    assert await polled(alice, c, "referee") == []
+    outsider = await register_priced(alice, 50.0)
+    referee, task = await referee_of(alice, first["audit_id"], outsider, c)
+    assert referee is outsider, task
+    await beat()
+    monkeypatch.setattr(audits, "MEMBER_REFEREE_AFTER", 0.0)  # the other audit has now waited long enough
+    referee, task = await referee_of(alice, second["audit_id"], outsider, c)
+    assert referee is c, task  # the outsider referees one round at a time
 
 
 async def test_nothing_is_audited_at_rate_zero(tmp_path):
