@@ -22,6 +22,14 @@ RENDEZVOUS_TIMEOUT = 60.0
 MEMBER_TTL = 20.0  # a member's record in the run's membership key lives this long unless refreshed
 MEMBER_REFRESH = 5.0
 ROUND_WAIT = 60.0  # seconds a member that took its round's share of steps waits at most for the others
+# How often hivemind's progress tracker reads the swarm's progress from the DHT, at most: while a member waits (for
+# the others' shares of a round, or for its peers at the start), every second, so it starts the round within a
+# second of the last share; while it computes its own share nothing waits on the read, so hivemind's default of
+# 10 s (it reads sooner as its estimate of the round's end nears). Each read is DHT requests across the mesh: in a
+# 2-node tinylm run, reading every second cost each node 3.5 CPU-s per 30 s in wireguard-go, p2pd and the worker's
+# DHT, against 2.5 s at 10 s (a tenth of its 0.4 CPU quota; decision 0036).
+REFRESH_WAITING = 1.0
+REFRESH_COMPUTING = 10.0
 logger = logging.getLogger("gpuswarm.worker")
 
 
@@ -177,10 +185,11 @@ def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
     matchmaker wedged ("another look_for_group is already in progress"), and every later round then fails. The
     tracker publishes a peer only once it has accumulated samples, hence one step first."""
     deadline = time.monotonic() + RENDEZVOUS_TIMEOUT
-    while not stop.is_set() and time.monotonic() < deadline:
-        if optimizer.tracker.global_progress.num_peers >= min_nodes:
-            return
-        time.sleep(0.2)
+    with reading_often(optimizer.tracker):
+        while not stop.is_set() and time.monotonic() < deadline:
+            if optimizer.tracker.global_progress.num_peers >= min_nodes:
+                return
+            time.sleep(0.2)
     logger.warning("the progress tracker saw %d of %d peers; training anyway",
                    optimizer.tracker.global_progress.num_peers, min_nodes)
 
@@ -203,7 +212,7 @@ def wait_for_round(optimizer, stop: threading.Event, target: Callable[[], int] |
         if not scheduled.done():
             scheduled.cancel()
         optimizer.scheduled_grads = None
-    with adding_nothing(tracker):
+    with adding_nothing(tracker), reading_often(tracker):
         while not stop.is_set() and time.monotonic() < deadline:
             if target is not None:
                 tracker.target_batch_size = target()
@@ -211,6 +220,23 @@ def wait_for_round(optimizer, stop: threading.Event, target: Callable[[], int] |
                     or tracker.global_epoch > optimizer.local_epoch:
                 return
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def reading_often(tracker):
+    """While a member waits, its tracker reads the swarm's progress every REFRESH_WAITING seconds, starting now (its
+    last read may be up to REFRESH_COMPUTING old); afterwards as often as before."""
+    from hivemind.utils import get_dht_time
+
+    before, tracker.max_refresh_period = tracker.max_refresh_period, REFRESH_WAITING
+    # The tracker's fetcher sleeps until the next read it planned, or until this event: it then re-reads the time
+    # of that read, which is now.
+    tracker.global_progress.next_fetch_time = get_dht_time()
+    tracker.global_state_updated.set()
+    try:
+        yield
+    finally:
+        tracker.max_refresh_period = before
 
 
 @contextlib.contextmanager

@@ -55,7 +55,14 @@ import zipfile
 from pathlib import Path
 
 from gpuswarm.node.faults import byzantine_fault, claim_inflation, lazy_fault, poison_outgoing_parts
-from gpuswarm.node.membership import Membership, RecordProofs, wait_for_round, wait_for_tracker
+from gpuswarm.node.membership import (
+    REFRESH_COMPUTING,
+    REFRESH_WAITING,
+    Membership,
+    RecordProofs,
+    wait_for_round,
+    wait_for_tracker,
+)
 from gpuswarm.node.trainer_link import Inputs, Settings, TrainerFailed, TrainerLink
 from gpuswarm.proto import logs
 
@@ -411,9 +418,10 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             load_state_timeout=60.0,
             # A round starts as soon as every member the job can have has joined it (see averager_options).
             averager_opts={**averager_options(group_size=spec.max_nodes), "request_timeout": 1.0},
-            # The swarm's progress at least every second: a member waiting for the others' shares (wait_for_round)
-            # sees them in and starts the round within a second of the others.
-            tracker_opts={"max_refresh_period": 1.0},
+            # The swarm's progress every second while a member waits for the others' shares (wait_for_round: it
+            # starts the round within a second of the last), less often while it computes (membership.REFRESH_*).
+            # Sync rounds are a step long: every second throughout.
+            tracker_opts={"max_refresh_period": REFRESH_COMPUTING if local is not None else REFRESH_WAITING},
             grad_compression=averager_compression(options.compression), verbose=False,
             # Local updates keep the members' parameters alike by themselves (every whole round applies the same
             # averaged update to the same anchor): hivemind's parameter averaging only mends drift, so it runs

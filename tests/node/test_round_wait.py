@@ -2,7 +2,8 @@
 member's share is in (the round's target, re-read while it waits), the swarm's epoch moved on, training stops, or
 its limit passes; meanwhile it reports no rate to the swarm, and it drops a matchmaking round scheduled early. The
 optimizer is a stand-in with what the wait reads and writes, around hivemind's real `PerformanceEMA`: the real
-tracker is exercised end to end by tests/integration/test_local_swarm.py."""
+tracker is exercised end to end by tests/integration/test_local_swarm.py. How often a tracker reads the swarm's
+progress (`membership.reading_often`) is tested on hivemind's real `ProgressTracker` over a real DHT."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ import threading
 import time
 from types import SimpleNamespace
 
+import hivemind
 import pytest
-from gpuswarm.node.membership import wait_for_round
+from gpuswarm.node.membership import REFRESH_COMPUTING, REFRESH_WAITING, reading_often, wait_for_round
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.performance_ema import PerformanceEMA
 
 
 class Tracker:
     def __init__(self, samples: int, target: int, global_epoch: int):
-        self.global_progress = SimpleNamespace(samples_accumulated=samples)
+        self.global_progress = SimpleNamespace(samples_accumulated=samples, next_fetch_time=0.0)
         self.target_batch_size, self.global_epoch = target, global_epoch
+        self.max_refresh_period, self.global_state_updated = REFRESH_COMPUTING, threading.Event()
         self.performance_ema = PerformanceEMA()
         self.performance_ema.samples_per_second = 500.0
         self.local_progress = SimpleNamespace(epoch=3, samples_accumulated=40)
@@ -89,3 +93,43 @@ def test_a_matchmaking_round_scheduled_early_is_dropped_and_a_running_one_kept()
     opt = optimizer(samples=120, scheduled=running)
     waited(opt)
     assert not running.cancelled and opt.scheduled_grads is running
+
+
+def test_a_waiting_member_reads_the_swarms_progress_at_once_and_every_second_and_rarely_while_it_computes():
+    class CountingDHT:
+        """The real DHT, with the times of the tracker's reads of the progress key."""
+
+        def __init__(self, dht):
+            self.dht, self.reads = dht, []
+
+        def get(self, key, *args, **kwargs):
+            if key.endswith("_progress"):
+                self.reads.append(time.monotonic())
+            return self.dht.get(key, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.dht, name)
+
+    dht = hivemind.DHT(start=True)
+    counting = CountingDHT(dht)
+    tracker = ProgressTracker(counting, "refresh-test", target_batch_size=10**6,
+                              max_refresh_period=REFRESH_COMPUTING, start=True)
+    try:
+        # It computes: its own record is the swarm's progress, and the round's end is far away.
+        tracker.report_local_progress(0, 32)
+        time.sleep(2.0)
+        tracker.report_local_progress(0, 64)
+        computing = time.monotonic()
+        time.sleep(4.0)
+        assert len([t for t in counting.reads if t > computing]) <= 1, counting.reads
+        with reading_often(tracker):
+            waiting = time.monotonic()
+            time.sleep(3.5)
+            assert tracker.max_refresh_period == REFRESH_WAITING
+        reads = [t - waiting for t in counting.reads if t > waiting]
+        assert reads and reads[0] < 0.5, reads  # at once: its last read may be seconds old
+        assert len(reads) >= 3, reads  # then every REFRESH_WAITING seconds or sooner
+        assert tracker.max_refresh_period == REFRESH_COMPUTING
+    finally:
+        tracker.shutdown()
+        dht.shutdown()
