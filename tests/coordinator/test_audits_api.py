@@ -55,14 +55,19 @@ async def audited(alice):
     await wait_for_assignment(alice, a, job_id)
     await wait_for_assignment(alice, b, job_id)
     r1, r2 = await register_priced(alice, 50.0), await register_priced(alice, 50.0)
-    await asyncio.sleep(1.0)  # a window inside the assignments: paid
-    window = {"window_start": time.time() - 0.9, "window_end": time.time()}
-    claims = [claim(a, job_id, **window), claim(b, job_id, **window)]
-    await report(alice, a, job_id, claims)
-    await report(alice, b, job_id, claims[::-1])
+    await report_a_round(alice, a, b, job_id)
     [request] = await wait_for(lambda: polled(alice, a, "audits"))
     assert request["job_id"] == job_id and request["epoch"] == 0
     return a, b, r1, r2, job_id, request["audit_id"]
+
+
+async def report_a_round(client, a, b, job_id: str) -> None:
+    """a and b report one round of the job, each with both claims, over a window inside their assignments."""
+    await asyncio.sleep(1.0)  # a window inside the assignments: paid
+    window = {"window_start": time.time() - 0.9, "window_end": time.time()}
+    claims = [claim(a, job_id, **window), claim(b, job_id, **window)]
+    await report(client, a, job_id, claims)
+    await report(client, b, job_id, claims[::-1])
 
 
 async def polled(client, node, key: str) -> list[dict]:
@@ -205,11 +210,7 @@ async def test_a_member_of_the_job_referees_it_only_once_nobody_else_could(alice
     job_id = await submit(alice, min_nodes=3, max_nodes=3, budget=10.0)
     for node in (a, b, c):
         await wait_for_assignment(alice, node, job_id)
-    await asyncio.sleep(1.0)  # a window inside the assignments: paid
-    window = {"window_start": time.time() - 0.9, "window_end": time.time()}
-    claims = [claim(a, job_id, **window), claim(b, job_id, **window)]
-    await report(alice, a, job_id, claims)
-    await report(alice, b, job_id, claims[::-1])
+    await report_a_round(alice, a, b, job_id)
     [first] = await wait_for(lambda: polled(alice, a, "audits"))
     [second] = await wait_for(lambda: polled(alice, b, "audits"))
     await upload(alice, a, first["audit_id"])
