@@ -62,6 +62,7 @@ def test_a_byzantine_node_cannot_steer_the_model(lab, attack):
         if rows.get(lab.node_id(i)) is None or rows[lab.node_id(i)].paid == 0:
             print(f"honest node {i} unpaid; the tail of its log:\n{lab.log_tail(f'node-{i}', 25)}")
     assert sum(1 for n in honest if n in rows and rows[n].paid > 0) >= 2, rows
+    assert all(rows[n].paid > 0 for n in honest if n in rows and rows[n].samples > 0), rows  # credited is paid
     assert bad not in rows or rows[bad].paid == 0, rows[bad]
     started = min(a.created_at for a in done.assignments)
     figures = {"case": f"byzantine node ({attack})", "accuracy": done.final_accuracy,
