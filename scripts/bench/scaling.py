@@ -17,10 +17,11 @@ nodes make each inner step cheaper, not larger; `--scale weak` gives every node 
 --target "accuracy >= 0.95"`).
 
 Run: scripts/bench/run scaling [--quick] [--json] [--nodes 1,2,4] [--cpus 0.4] [--target "val_bpb <= 3.6"]
-     [--mode diloco|sync ...] [--scale strong|weak] [--no-write]. Prints the table and appends it (with a PNG) to
-     docs/benchmarks.md.
-`--json` prints per case: nodes, mode, batch_per_node, seconds, steps, final_metric, speedup (one node's seconds /
-this case's).
+     [--mode diloco|sync ...] [--compression none|fp16|8bit ...] [--scale strong|weak] [--no-write]. Prints the
+     table and appends it (with a PNG) to docs/benchmarks.md.
+`--json` prints per case: nodes, mode, compression, batch_per_node, seconds, steps, final_metric, speedup (one
+node's seconds / this case's, for the same mode; null without a 1-node case). A lone node averages nothing, so
+its case runs once per mode, with the first `--compression`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT / "scripts")]
 import charts  # noqa: E402
 import meshswarm  # noqa: E402
 import netlab  # noqa: E402
+from gpuswarm.proto.models import TrainingOptions  # noqa: E402
 from split import corpus  # noqa: E402  (tinylm's text, for nodes and plain loop alike)
 
 TINYLM = {"context": 64, "d_model": 192, "n_layer": 3, "n_head": 6, "batch_size": 32, "learning_rate": 0.005,
@@ -166,7 +168,7 @@ def node_batch(nodes: int, scale: str) -> int:
 
 
 def job_file(path: Path, data: Path, nodes: int, target: str, mode: str, max_seconds: float, workload: str,
-             scale: str = "strong") -> Path:
+             scale: str = "strong", compression: str | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if workload == "tinylm":
         batch = node_batch(nodes, scale)
@@ -198,13 +200,14 @@ max_epochs = 1000
 
 [training]
 mode = "{mode}"
+{f'compression = "{compression}"' if compression else ""}
 checkpoint_every_minutes = 60
 """)
     return path
 
 
 def run_swarm(nodes: int, data: Path, target: str, mode: str, cpus: float, wan: dict, max_seconds: float,
-              root: Path, workload: str, scale: str) -> dict:
+              root: Path, workload: str, scale: str, compression: str | None = None) -> dict:
     quotas = [CpuQuota(f"gpuswarm-bench-node{i}", cpus) for i in range(1, nodes + 1)]
     with netlab.NetLab(nodes + 1) as lab:
         relay = lab.start_relay(WG_PORT)
@@ -224,7 +227,8 @@ def run_swarm(nodes: int, data: Path, target: str, mode: str, cpus: float, wan: 
                                "every node to have its mesh peers")
             time.sleep(5)
             relay.set(**wan)
-            spec = job_file(root / "job" / "job.toml", data, nodes, target, mode, max_seconds, workload, scale)
+            spec = job_file(root / "job" / "job.toml", data, nodes, target, mode, max_seconds, workload, scale,
+                            compression)
             started = time.monotonic()
             job = swarm.submit_file(spec)
             client = swarm.client
@@ -248,6 +252,7 @@ def run_swarm(nodes: int, data: Path, target: str, mode: str, cpus: float, wan: 
 
 # ---- report ----------------------------------------------------------------------------------------------------
 
+
 def table(cases: list[dict], args, plain: dict, draw: bool) -> str:
     wan = f"{args.rate:g} Mbit/s, {args.rtt:g} ms RTT, {args.loss:g}% loss"
     scale = ((f", batch {TINYLM['batch_size']} split over the nodes" if args.scale == "strong" else
@@ -255,21 +260,25 @@ def table(cases: list[dict], args, plain: dict, draw: bool) -> str:
     lines = [f"## scaling ({time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 cores, {args.cpus:g} CPU per node and "
              f"for the plain loop, WAN {wan}, {args.workload} to {args.target}{', --quick' if args.quick else ''}"
              f"{scale})", "",
-             "| case | mode | seconds to target | global steps | final metric | speedup vs 1 node | vs plain loop |",
-             "|---|---|---|---|---|---|---|",
-             f"| plain PyTorch loop | - | {plain['seconds']:.1f} | {plain['steps']} (local) | {plain['metric']:.3f} "
-             "| - | 1.00 |"]
+             "| case | mode | compression | seconds to target | global steps | final metric | speedup vs 1 node "
+             "| vs plain loop |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| plain PyTorch loop | - | - | {plain['seconds']:.1f} | {plain['steps']} (local) "
+             f"| {plain['metric']:.3f} | - | 1.00 |"]
     for c in cases:
-        lines.append(f"| {c['nodes']} node{'s' if c['nodes'] > 1 else ''} | {c['mode']} | {c['seconds']:.1f} | "
-                     f"{c['steps']} | {c['final_metric']:.3f} | "
-                     f"{c['speedup']:.2f} | {plain['seconds'] / c['seconds']:.2f} |")
+        speedup = "-" if c["speedup"] is None else f"{c['speedup']:.2f}"
+        lines.append(f"| {c['nodes']} node{'s' if c['nodes'] > 1 else ''} | {c['mode']} | {c['compression']} | "
+                     f"{c['seconds']:.1f} | {c['steps']} | {c['final_metric']:.3f} | {speedup} | "
+                     f"{plain['seconds'] / c['seconds']:.2f} |")
     text = "\n".join(lines) + "\n"
     if not draw:
         return text
-    modes = sorted({c["mode"] for c in cases})
+    variants = sorted({(c["mode"], c["compression"]) for c in cases})
     counts = sorted({c["nodes"] for c in cases})
-    series = {m: [next((c["speedup"] for c in cases if c["mode"] == m and c["nodes"] == n), float("nan"))
-                  for n in counts] for m in modes}
+    # The mode's one node (run once, see main) starts every series of that mode.
+    series = {f"{mode}, {compression}": [next((c["speedup"] for c in cases if c["mode"] == mode and c["nodes"] == n
+                                                and (n == 1 or c["compression"] == compression) and c["speedup"]),
+                                               float("nan")) for n in counts] for mode, compression in variants}
     text += "\n" + charts.lines("scaling" if args.workload == "tinylm" else f"scaling-{args.workload}",
                                 f"{args.workload}: speedup against nodes (time to target)", counts, series,
                                 "nodes", "speedup vs one node", ideal=counts) + "\n"
@@ -284,6 +293,9 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--nodes", default=None, help="comma-separated node counts (default 1,2,4; --quick 1,2)")
     parser.add_argument("--mode", action="append", choices=["diloco", "sync"], help="job modes (default diloco)")
+    parser.add_argument("--compression", action="append", choices=["none", "fp16", "8bit"],
+                        help="what the averaging rounds send (default: the job's default for its mode); repeat to "
+                             "compare")
     parser.add_argument("--scale", choices=["strong", "weak"], default="strong",
                         help="tinylm's batch: the plain loop's split over the nodes (strong, default) or all of it on "
                              "each node (weak)")
@@ -310,6 +322,7 @@ def main() -> int:
         return 1
     counts = [int(n) for n in (args.nodes or ("1,2" if args.quick else "1,2,4")).split(",")]
     modes = args.mode or ["diloco"]
+    compressions = args.compression or [None]  # None: the job's default for its mode
     wan = {"delay_ms": args.rtt / 2, "loss_pct": args.loss, "rate_mbit": args.rate}
     with contextlib.ExitStack() as stack:
         tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="gpuswarm-scaling-"))
@@ -321,20 +334,26 @@ def main() -> int:
             return 1
         print(f"  {plain['seconds']:.1f} s, {plain['steps']} steps", file=sys.stderr)
         cases = []
-        for mode in modes:
+        variants = [(mode, compression) for mode in modes for compression in compressions]
+        for mode, compression in variants:
             for n in counts:
-                print(f"{n} node(s), {mode} ...", file=sys.stderr)
-                r = run_swarm(n, data, args.target, mode, args.cpus, wan, args.max_seconds, Path(tmp) / f"{mode}{n}",
-                              args.workload, args.scale)
+                if n == 1 and any(c["mode"] == mode and c["nodes"] == 1 for c in cases):
+                    continue  # a lone node averages nothing: its time does not depend on the compression
+                print(f"{n} node(s), {mode}, {compression or 'default'} compression ...", file=sys.stderr)
+                r = run_swarm(n, data, args.target, mode, args.cpus, wan, args.max_seconds,
+                              Path(tmp) / f"{mode}-{compression or 'default'}-{n}", args.workload, args.scale,
+                              compression)
                 print(f"  {r['seconds']:.1f} s, {r['steps']} global steps, metric {r['metric']}", file=sys.stderr)
-                cases.append({"nodes": n, "mode": mode, "batch_per_node": node_batch(n, args.scale)
-                              if args.workload == "tinylm" else None, "seconds": r["seconds"], "steps": r["steps"],
-                              "final_metric": r["metric"], "throttled_seconds": r["throttled_seconds"]})
-        for mode in modes:
+                cases.append({"nodes": n, "mode": mode, "compression": compression
+                              or TrainingOptions.model_validate({"mode": mode}).compression,
+                              "batch_per_node": node_batch(n, args.scale) if args.workload == "tinylm" else None,
+                              "seconds": r["seconds"], "steps": r["steps"], "final_metric": r["metric"],
+                              "throttled_seconds": r["throttled_seconds"]})
+        for mode in modes:  # speedup against the mode's one node
             one = next((c["seconds"] for c in cases if c["mode"] == mode and c["nodes"] == 1), None)
             for c in cases:
                 if c["mode"] == mode:
-                    c["speedup"] = one / c["seconds"] if one else float("nan")
+                    c["speedup"] = one / c["seconds"] if one else None
     if args.json:
         print(json.dumps({"nodes": 0, "mode": "plain", "seconds": plain["seconds"], "steps": plain["steps"],
                           "final_metric": plain["metric"], "speedup": None}))
