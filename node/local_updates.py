@@ -111,7 +111,9 @@ def steps_to_target(targets: Iterable[tuple[str, str, float]], before: Evaluatio
             continue
         gain, left = (a - b, b - threshold) if op == "<=" else (b - a, threshold - b)
         if gain > 0 and left > 0:
-            estimates.append(left / gain * (now[0] - before[0]) / batch_size)
+            estimate = left / gain * (now[0] - before[0]) / batch_size
+            if math.isfinite(estimate):  # a gain that is a subnormal float overflows to inf: no estimate
+                estimates.append(estimate)
     return math.ceil(min(estimates)) if estimates else None
 
 
