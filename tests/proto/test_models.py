@@ -319,15 +319,30 @@ def test_error_details_strip_pydantic_prefixes():
 def test_training_mode_defaults_to_local_updates():
     options = spec().training
     assert (options.mode, options.inner_steps, options.outer_learning_rate, options.outer_momentum,
-            options.compression) == ("diloco", None, 1.0, 0.0, "fp16")
+            options.compression) == ("diloco", None, 1.0, 0.0, "8bit")
     assert spec(training={"mode": "sync", "inner_steps": 8}).training.mode == "sync"
+
+
+@pytest.mark.parametrize(("training", "expected"), [
+    ({}, "8bit"),
+    ({"mode": "diloco"}, "8bit"),
+    ({"mode": "sync"}, "fp16"),  # every step's gradients: fp16 unless the owner asks
+    ({"mode": "sync", "compression": "8bit"}, "8bit"),
+    ({"mode": "diloco", "compression": "none"}, "none"),
+])
+def test_compression_defaults_by_mode_and_an_owners_choice_stands(training, expected):
+    job = spec(training=training)
+    assert job.training.compression == expected
+    # What the coordinator stores and a node reads back is the same choice.
+    assert JobSpec.model_validate_json(job.model_dump_json()).training.compression == expected
 
 
 def test_a_federated_job_names_node_local_data_and_runs_its_own_code():
     code = {"sha256": "a" * 64, "size": 10, "format": "tar", "entrypoint": "pkg.mod:make"}
     job = JobSpec.model_validate({"code": code, "local_dataset": "clinic-a",
                                   "training": {"mode": "fedavg", "local_epochs": 2}})
-    assert (job.local_dataset, job.training.mode, job.training.local_epochs) == ("clinic-a", "fedavg", 2)
+    assert (job.local_dataset, job.training.mode, job.training.local_epochs, job.training.compression) == (
+        "clinic-a", "fedavg", 2, "8bit")
     assert job.blob_refs() == [job.code]  # the dataset is no blob: nothing of it is uploaded
     refused = {
         "local_dataset (the nodes' own data) goes with the job's own code and no dataset": [
