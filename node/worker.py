@@ -293,6 +293,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
     from gpuswarm.dht.hivemind_adapter import (
         averager_compression,
         averager_options,
+        chunk_timeout,
         install_robust_reducer,
         optimizer_class,
         throttle_matchmaking,
@@ -414,6 +415,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             dht=dht, run_id=a.run_id, target_batch_size=target,
             batch_size_per_step=hello.batch_size, params=[shared.flat], optimizer=outer.build,
             matchmaking_time=hello.matchmaking_time, averaging_timeout=hello.averaging_timeout,
+            next_chunk_timeout=chunk_timeout(hello.matchmaking_time, hello.averaging_timeout),
             # A newcomer joining a run in progress takes the current weights and optimizer state from a peer.
             load_state_timeout=60.0,
             # A round starts as soon as every member the job can have has joined it (see averager_options).

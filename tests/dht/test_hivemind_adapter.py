@@ -412,6 +412,74 @@ def test_a_round_with_the_averager_settings_is_whole():
         first.shutdown()
 
 
+def test_chunk_timeout_is_half_the_averaging_timeout_and_never_below_the_matchmaking_time():
+    assert adapter.chunk_timeout(3.0, 10.0) == 5.0  # the SDK's defaults: hivemind alone would take 3 s
+    assert adapter.chunk_timeout(3.0, 60.0) == 30.0
+    assert adapter.chunk_timeout(5.0, 6.0) == 5.0
+
+
+@pytest.mark.parametrize("chunk_timeout", [2.0, adapter.chunk_timeout(2.0, 20.0)],
+                         ids=["hiveminds-default", "ours"])
+def test_a_slow_part_drops_its_sender_only_past_the_chunk_timeout(monkeypatch, chunk_timeout):
+    """Each peer's second part comes 4 s after its first (a slow link under a CPU quota). With the next-chunk
+    timeout hivemind.Optimizer takes by default (its matchmaking time, 2 s here) each peer drops the other and the
+    round ends with part of the tensor unaveraged; with `chunk_timeout` it waits and the round is whole."""
+    import threading
+
+    import torch
+    from hivemind.averaging import DecentralizedAverager, allreduce
+
+    original = allreduce.AllReduceRunner._generate_input_for_peer
+
+    async def slow(self, peer_index):
+        import asyncio
+
+        first = True
+        async for message in original(self, peer_index):
+            if not first:
+                await asyncio.sleep(4.0)
+            first = False
+            yield message
+
+    monkeypatch.setattr(allreduce.AllReduceRunner, "_generate_input_for_peer", slow)  # before the averagers fork
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                          initial_peers=[str(m) for m in first.get_visible_maddrs()])
+    # 300,000 values: each peer reduces 150,000 (600 KB), two parts of at most AVERAGING_PART_SIZE_BYTES.
+    inputs = [torch.full((300_000,), float(v)) for v in (1.0, 3.0)]
+    averagers, results = [], {}
+    try:
+        for dht, tensor in zip((first, second), inputs, strict=True):
+            averagers.append(DecentralizedAverager(
+                [tensor.clone()], dht, prefix="gpuswarm_test_chunks", target_group_size=2, min_group_size=2,
+                min_matchmaking_time=2.0, request_timeout=1.0, next_chunk_timeout=chunk_timeout, start=True,
+                compression=adapter.averager_compression("none"), **adapter.averager_options()))
+
+        def step(i):
+            results[i] = averagers[i].step(timeout=60)
+
+        threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert results.get(0) is not None and results.get(1) is not None
+        averaged = []
+        for averager in averagers:
+            with averager.get_tensors() as (tensor,):
+                averaged.append(float((tensor == 2.0).float().mean()))  # the share of values that were averaged
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()
+    if chunk_timeout > 4.0:
+        assert averaged == [1.0, 1.0]
+    else:  # the failure the setting prevents, seen as it happens in hivemind
+        assert all(share < 1.0 for share in averaged), averaged
+    print(f"chunk timeout {chunk_timeout:g} s: shares averaged {averaged}")
+
+
 def test_matchmaking_reads_its_group_key_at_most_once_a_poll_period(monkeypatch):
     """hivemind's matchmaking re-reads its group key as soon as a read returns while it sees no better leader; with
     `throttle_matchmaking` the reads are at least MATCHMAKING_POLL_SECONDS apart, and still return what the DHT
