@@ -370,10 +370,25 @@ def test_averager_compression_by_name():
 
 
 @pytest.mark.timeout(120)
-def test_a_round_with_the_averager_settings_is_whole():
-    """Two local averagers with the product's settings and 8-bit compression end a round with the same tensor."""
+def step_together(averagers) -> None:
+    """One averaging round of every averager at once (each blocks in its step until the group's round ends)."""
     import threading
 
+    results = {}
+
+    def step(i):
+        results[i] = averagers[i].step(timeout=60)
+
+    threads = [threading.Thread(target=step, args=(i,)) for i in range(len(averagers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert all(results.get(i) is not None for i in range(len(averagers))), results
+
+
+def test_a_round_with_the_averager_settings_is_whole():
+    """Two local averagers with the product's settings and 8-bit compression end a round with the same tensor."""
     import torch
     from hivemind.averaging import DecentralizedAverager
 
@@ -383,23 +398,14 @@ def test_a_round_with_the_averager_settings_is_whole():
     generator = torch.Generator().manual_seed(0)
     inputs = [[torch.randn(300_000, generator=generator), torch.randn(10, generator=generator)] for _ in range(2)]
     expected = [(a + b) / 2 for a, b in zip(*inputs, strict=True)]
-    averagers, results = [], {}
+    averagers = []
     try:
         for dht, tensors in zip((first, second), inputs, strict=True):
             averagers.append(DecentralizedAverager(
                 [t.clone() for t in tensors], dht, prefix="gpuswarm_test_opts", target_group_size=2, min_group_size=2,
                 min_matchmaking_time=2.0, request_timeout=1.0, start=True,
                 compression=adapter.averager_compression("8bit"), **adapter.averager_options(bandwidth_mbit=100)))
-
-        def step(i):
-            results[i] = averagers[i].step(timeout=60)
-
-        threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        assert results.get(0) is not None and results.get(1) is not None
+        step_together(averagers)
         for averager in averagers:
             with averager.get_tensors() as (large, tiny):
                 # Unit-variance inputs: 8-bit rounding moves an element by ~0.02 on average, fp16 by ~1e-3.
@@ -424,8 +430,6 @@ def test_a_slow_part_drops_its_sender_only_past_the_chunk_timeout(monkeypatch, c
     """Each peer's second part comes 4 s after its first (a slow link under a CPU quota). With the next-chunk
     timeout hivemind.Optimizer takes by default (its matchmaking time, 2 s here) each peer drops the other and the
     round ends with part of the tensor unaveraged; with `chunk_timeout` it waits and the round is whole."""
-    import threading
-
     import torch
     from hivemind.averaging import DecentralizedAverager, allreduce
 
@@ -447,23 +451,14 @@ def test_a_slow_part_drops_its_sender_only_past_the_chunk_timeout(monkeypatch, c
                           initial_peers=[str(m) for m in first.get_visible_maddrs()])
     # 300,000 values: each peer reduces 150,000 (600 KB), two parts of at most AVERAGING_PART_SIZE_BYTES.
     inputs = [torch.full((300_000,), float(v)) for v in (1.0, 3.0)]
-    averagers, results = [], {}
+    averagers = []
     try:
         for dht, tensor in zip((first, second), inputs, strict=True):
             averagers.append(DecentralizedAverager(
                 [tensor.clone()], dht, prefix="gpuswarm_test_chunks", target_group_size=2, min_group_size=2,
                 min_matchmaking_time=2.0, request_timeout=1.0, next_chunk_timeout=chunk_timeout, start=True,
                 compression=adapter.averager_compression("none"), **adapter.averager_options()))
-
-        def step(i):
-            results[i] = averagers[i].step(timeout=60)
-
-        threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        assert results.get(0) is not None and results.get(1) is not None
+        step_together(averagers)
         averaged = []
         for averager in averagers:
             with averager.get_tensors() as (tensor,):
