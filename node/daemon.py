@@ -135,7 +135,7 @@ class NodeDaemon:
         try:
             while not stop.is_set():
                 try:
-                    await self.step()
+                    await self._step_unless_stopped(stop)
                 except (MeshUnavailable, NodeRevoked):
                     raise  # nothing to retry: stop and say why
                 except Exception:  # one bad round never ends the daemon
@@ -151,6 +151,24 @@ class NodeDaemon:
                 if self.metrics_server is not None:
                     await self.metrics_server.stop()
                 self.metrics.close()
+
+    async def _step_unless_stopped(self, stop: asyncio.Event) -> None:
+        """One `step`, cut short when a stop is asked for: a heartbeat or upload that waits on a slow coordinator (up
+        to the client's 10 s) must not hold up the bounded shutdown, which sends what matters again anyway. What a
+        cancelled step started cannot outlive the daemon: workers and DHT processes die with it."""
+        step = asyncio.create_task(self.step(), name="supervisor-step")
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait((step, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not step.done():
+                logger.info("stopping: the supervisor step in progress is cut short")
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await step
+        if not step.cancelled():
+            step.result()
 
     async def step(self) -> None:
         if self.mesh is not None and self.registered:

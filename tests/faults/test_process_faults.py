@@ -1,5 +1,6 @@
 """Faults of processes, on one host (scripts/localswarm.py, no mesh): a node killed mid-round, the coordinator
-killed and restarted 30 s later, a node stopped with SIGTERM and started again.
+killed and restarted 30 s later, a node stopped with SIGTERM and started again, a node stopped with SIGTERM while
+the coordinator hangs.
 
 Each case trains digits-mlp in mode "sync" (one averaged step per ~3 s round, so the fault lands mid-training)
 to its target, and then checks the books against the nodes' own records (tests/faults/books.py).
@@ -115,7 +116,7 @@ def test_sigterm_a_node_and_start_it_again(lab):
     fault_at = time.time()
     lab.kill_node(2, signal.SIGTERM)  # what systemd does: every process of the service gets SIGTERM
     stopped = time.time() - fault_at
-    assert stopped < 3.0, f"the node took {stopped:.1f}s to stop"
+    assert stopped < 3.0, f"the node took {stopped:.1f}s to stop:\n{(lab.logs / 'node-2.log').read_text()[-3000:]}"
     # It said it was going: the coordinator handed its assignment back at once, not after the node timeout.
     lost = [a for a in lab.client.job(job_id).assignments if a.node_id == victim]
     assert [a.state for a in lost] == ["lost"], lost
@@ -126,6 +127,28 @@ def test_sigterm_a_node_and_start_it_again(lab):
     assert {a.node_id for a in done.assignments if a.state == "finished"} >= {victim}
     report("SIGTERM a node and start it again", detection_s=round(stopped, 1), rounds_lost=rounds_lost,
            steps_lost=steps_lost(lab, 3, fault_at), ledger_rows_missing=missing)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_a_node_while_the_coordinator_hangs(lab):
+    # A coordinator that accepts connections and never answers (frozen: SIGSTOP) holds the node's heartbeat for the
+    # client's 10 s timeout. The node's stop must not wait for it: its shutdown bounds every call it makes.
+    lab.start_coordinator()
+    lab.start_node(0)
+    lab.wait_for_nodes(1)
+    lab.wait(lambda: all(n.advert is not None for n in lab.client.nodes()), 60, "the node's advert")
+    os.killpg(lab.coordinator.pid, signal.SIGSTOP)
+    try:
+        time.sleep(3 * 2.0)  # past a heartbeat interval (2 s): the node's step now waits on a heartbeat
+        fault_at = time.time()
+        lab.kill_node(0, signal.SIGTERM)
+        stopped = time.time() - fault_at
+    finally:
+        os.killpg(lab.coordinator.pid, signal.SIGCONT)
+    log = (lab.logs / "node-0.log").read_text()
+    assert stopped < 3.0, f"the node took {stopped:.1f}s to stop:\n{log[-3000:]}"
+    assert "supervisor step in progress is cut short" in log, log[-3000:]
+    report("SIGTERM a node while the coordinator hangs", detection_s=round(stopped, 1))
 
 
 @pytest.fixture
