@@ -33,6 +33,7 @@ class Advertiser:
         self.identity, self.resources, self.version, self.price = identity, resources, software_version, price
         self.host, self.ttl = host, ttl
         self.dht = None
+        self.maddrs: list[str] = []  # the DHT peer's visible addresses, read once it is up (off the event loop)
         self.state = NodeState.STARTING
         self.authority: str | None = None  # the coordinator's, from its registration answer
         self.proof: WriterProof | None = None
@@ -52,12 +53,13 @@ class Advertiser:
             dht.run_in_background(await_ready=False)
             try:  # bounded: a DHT process that never comes up must not stall the daemon's loop
                 dht.wait_until_ready(timeout=DHT_START_TIMEOUT)
+                maddrs = [str(m) for m in dht.get_visible_maddrs()]  # a blocking call into the DHT process
             except BaseException:
                 dht.terminate()
                 raise
-            return dht
+            return dht, maddrs
 
-        self.dht = await loop.run_in_executor(self._executor, start_dht)
+        self.dht, self.maddrs = await loop.run_in_executor(self._executor, start_dht)
         await self.declare()
         self._task = asyncio.create_task(self._run(), name="dht-advertiser")
 
@@ -74,9 +76,8 @@ class Advertiser:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.dht.add_validators, [validator])
 
     def advert(self, state: NodeState, expires_at: float) -> dict:
-        maddrs = [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
         advert = NodeAdvert(node_id=self.identity.node_id, state=state, resources=self.resources,
-                            software_version=self.version, price_per_gpu_hour=self.price, maddrs=maddrs,
+                            software_version=self.version, price_per_gpu_hour=self.price, maddrs=self.maddrs,
                             expires_at=expires_at)
         return self.identity.sign(ADVERT_KIND, advert.model_dump(mode="json")).model_dump(mode="json")
 
@@ -121,7 +122,9 @@ class Advertiser:
             self._task.cancel()
         if self.dht is None:
             return
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.dht.shutdown)
-        self.dht = None
-        # A store that outlived the DHT may still block a thread; asyncio.run must not wait for it at exit.
+        # Not on our executor: its two threads may both be held by stores still waiting on peers (the goodbye that
+        # timed out, a periodic declaration), and the shutdown would queue behind them. Those threads are left to
+        # end with the DHT; asyncio.run must not wait for them at exit.
         self._executor.shutdown(wait=False, cancel_futures=True)
+        dht, self.dht = self.dht, None
+        await asyncio.to_thread(dht.shutdown)

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated
 
@@ -116,6 +117,7 @@ def start(
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        loop.set_default_executor(_AbandonedAtExit())
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         async with CoordinatorClient(coordinator, identity) as client:
@@ -135,6 +137,15 @@ def start(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+class _AbandonedAtExit(ThreadPoolExecutor):
+    """The daemon's default executor. asyncio.run waits for its threads at exit (on Python 3.11 without a limit);
+    this one is not waited for: a thread still hashing or unpacking for a step that a stop cut short is left to the
+    os._exit that follows, and the node stops within its bound."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=True)
 
 
 def read_settings(config: Path | None, **flags):

@@ -259,8 +259,7 @@ class NodeDaemon:
     async def _start_advertiser(self) -> None:
         try:
             await self.advertiser.start(self._dht_peers)
-            logger.info("DHT peer up at %s; advert declared", ", ".join(
-                str(m) for m in self.advertiser.dht.get_visible_maddrs()))
+            logger.info("DHT peer up at %s; advert declared", ", ".join(self.advertiser.maddrs))
         except Exception as e:
             logger.error("could not start the DHT peer for the advert (%r); retrying", e)
             self.advertiser.dht = None
@@ -502,15 +501,17 @@ class NodeDaemon:
 
     async def shutdown(self) -> None:
         """Bounded, within about 3 s: the training process leaves (killed with everything it started after
-        WORKER_STOP_GRACE) while the coordinator hears that we are stopping and the DHT gets the OFFLINE advert
-        and stops; then the outbox is flushed, the coordinator told we are offline, and the mesh taken down."""
+        WORKER_STOP_GRACE) while the coordinator hears that we are stopping, the DHT gets the OFFLINE advert and
+        stops, and the challenge solver and audits stop; then the outbox is flushed, the coordinator told we are
+        offline, and the mesh taken down."""
         self.transition(stop_requested=True)
         if self.mesh is not None:
             await self.mesh.stop_keeping()
         for task in self._preparing.values():
             task.cancel()
         self._stopping.update(self.runner.running)
-        meanwhile = asyncio.gather(self._tell_coordinator(NodeState.STOPPING), self._leave_dht())
+        meanwhile = asyncio.gather(self._tell_coordinator(NodeState.STOPPING), self._leave_dht(),
+                                   self.challenger.stop(), self.audits.stop())
         await self.runner.stop_all(timeout=min(WORKER_STOP_GRACE, self.config.shutdown_timeout / 2))
         self._collect_exits()
         with contextlib.suppress(Exception):
@@ -518,8 +519,6 @@ class NodeDaemon:
         self.transition(stop_requested=True)
         await self._tell_coordinator(NodeState.OFFLINE)
         await meanwhile
-        await self.challenger.stop()
-        await self.audits.stop()
         if self.mesh is not None:
             self._stop_mesh.set()
             if self._mesh_task is not None:

@@ -176,14 +176,16 @@ class MeshLink:
     async def _apply(self, config: MeshConfig) -> None:
         if self.agent is None:
             try:
-                backend = self._backend or choose_backend()
+                # Held before `up` returns: a stop that cuts this short must still take down what `up` started
+                # (`close`; wireguard-go does not die with the daemon).
+                self._backend = backend = self._backend or choose_backend()
                 await asyncio.to_thread(backend.up, config.address, config.cidr, self.listen_port,
                                         self.keys.private_key)
             except Exception as e:
                 raise MeshUnavailable(f"cannot bring up the WireGuard interface: {e}. The mesh needs root and "
                                       "wireguard-go (or the wireguard kernel module); --no-mesh runs without it, "
                                       "unencrypted") from e
-            self._backend, self.agent = backend, MeshAgent(backend)
+            self.agent = MeshAgent(backend)
             logger.info("mesh interface %s up (%s) at %s, port %d", backend.interface, backend.kind,
                         config.address, self.listen_port)
         # A new peer starts on its first candidate. For a known peer the path keeper owns the endpoint: None
@@ -395,6 +397,6 @@ class MeshLink:
         if self._forwarding:
             with contextlib.suppress(Exception):  # the rule is harmless once its interface is gone
                 await asyncio.to_thread(self._backend.set_forwarding, False, self.config.cidr)
-        if self._backend is not None and self.agent is not None:
+        if self._backend is not None:  # down is idempotent, and waits for an `up` still under way
             await asyncio.to_thread(self._backend.down)
             logger.info("mesh interface %s down", self._backend.interface)

@@ -298,7 +298,8 @@ class MetricsServer:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get(METRICS_PATH, self._scrape)
-        runner = web.AppRunner(app, access_log=None)  # a scrape every few seconds is not news
+        # A scrape every few seconds is not news; one in flight at stop gets half a second (aiohttp's default: 60 s).
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await runner.setup()
         try:
             await web.TCPSite(runner, self.host, self.port).start()
