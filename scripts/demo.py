@@ -140,11 +140,22 @@ def mesh_unavailable() -> str | None:
     return netlab.unavailable_reason()
 
 
+def looks(swarm, job_id: str):
+    """The job at every look, a second apart: MeshSwarm's one watcher process in the lab (a CLI process per look
+    would take CPU from the nodes being timed), or LocalSwarm's Python client."""
+    if isinstance(swarm, MeshSwarm):
+        yield from swarm.follow_job(job_id, interval=1.0)
+        return
+    while True:
+        yield swarm.client.job(job_id)
+        time.sleep(1.0)
+
+
 def follow(swarm, job_id: str, timeout: float) -> JobDetail:
     deadline = time.monotonic() + timeout
     seen_events, last_step = 0, -1
-    while True:
-        job = typed(JobDetail, swarm.client.job(job_id))
+    for look in looks(swarm, job_id):
+        job = typed(JobDetail, look)
         for event in job.events[seen_events:]:
             console.print(f"  [dim]{time.strftime('%H:%M:%S', time.localtime(event.at))}[/dim] {event.message}")
         seen_events = len(job.events)
@@ -160,7 +171,7 @@ def follow(swarm, job_id: str, timeout: float) -> JobDetail:
             return job
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} did not finish within {timeout:.0f}s")
-        time.sleep(1.0)
+    raise RuntimeError(f"stopped watching job {job_id} before it ended (see the coordinator's log)")
 
 
 def report(swarm, job: JobDetail, directory: Path, started: float) -> int:

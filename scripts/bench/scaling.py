@@ -16,12 +16,18 @@ nodes make each inner step cheaper, not larger; `--scale weak` gives every node 
 `--workload digits-mlp` runs the digits demo's built-in workload instead (its own defaults; e.g. `--nodes 1,3
 --target "accuracy >= 0.95"`).
 
+`--repeat N` runs every case, the plain loop included, N times, one round of all cases after another (so that a
+slower hour of the machine weighs on every case alike), and reports each case's median: a run's time to target
+moves by a round or two with where the loss plateaus (tinylm stalls just above val_bpb 3.9 for tens of steps), so
+one run per case compares cases only roughly.
+
 Run: scripts/bench/run scaling [--quick] [--json] [--nodes 1,2,4] [--cpus 0.4] [--target "val_bpb <= 3.6"]
-     [--mode diloco|sync ...] [--compression none|fp16|8bit ...] [--scale strong|weak] [--no-write]. Prints the
-     table and appends it (with a PNG) to docs/benchmarks.md.
-`--json` prints per case: nodes, mode, compression, batch_per_node, seconds, steps, final_metric, speedup (one
-node's seconds / this case's, for the same mode; null without a 1-node case). A lone node averages nothing, so
-its case runs once per mode, with the first `--compression`.
+     [--mode diloco|sync ...] [--compression none|fp16|8bit ...] [--scale strong|weak] [--repeat N] [--no-write].
+     Prints the table and appends it (with a PNG) to docs/benchmarks.md.
+`--json` prints per case: nodes, mode, compression, batch_per_node, seconds (the median of its runs), runs (every
+run's seconds, in order), steps and final_metric (of the median run: the lower middle one for an even count),
+speedup (one node's median seconds / this case's, for the same mode; null without a 1-node case). A lone node
+averages nothing, so its case runs once per mode, with the first `--compression`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -231,13 +238,16 @@ def run_swarm(nodes: int, data: Path, target: str, mode: str, cpus: float, wan: 
                             compression)
             started = time.monotonic()
             job = swarm.submit_file(spec)
-            client = swarm.client
-            info = meshswarm.wait_for(lambda: (lambda j: j if j["state"] in ("completed", "failed", "cancelled")
-                                               else None)(client.job(job["id"])), max_seconds + 300,
-                                      "the job to end", interval=1.0)
+            info = None
+            for info in swarm.follow_job(job["id"]):  # one watcher process, not a CLI process per look
+                if info["state"] in ("completed", "failed", "cancelled"):
+                    break
+                if time.monotonic() - started > max_seconds + 300:
+                    raise RuntimeError(f"the {nodes}-node job did not end in {max_seconds + 300:g} s")
             seconds = time.monotonic() - started
-            if info["state"] != "completed":
-                raise RuntimeError(f"the {nodes}-node job ended {info['state']}: {info.get('error')}\n"
+            if info is None or info["state"] != "completed":
+                state, error = (info["state"], info.get("error")) if info else ("unwatched", None)
+                raise RuntimeError(f"the {nodes}-node job ended {state}: {error}\n"
                                    + swarm.log_tail("node-1", 40))
             name = re.match(r"\s*(\w+)", target).group(1)
             metrics = info.get("final_metrics") or info["progress"].get("metrics") or {}
@@ -253,22 +263,36 @@ def run_swarm(nodes: int, data: Path, target: str, mode: str, cpus: float, wan: 
 # ---- report ----------------------------------------------------------------------------------------------------
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The median run (the lower of the middle two for an even count) with the median of every run's seconds as
+    `seconds`, and every run's seconds as `runs`."""
+    seconds = [r["seconds"] for r in runs]
+    middle = statistics.median_low(seconds)
+    return {**next(r for r in runs if r["seconds"] == middle), "seconds": statistics.median(seconds), "runs": seconds}
+
+
+def spread(c: dict) -> str:
+    """A case's seconds: the median, and the range when it ran more than once."""
+    runs = c.get("runs") or [c["seconds"]]
+    return f"{c['seconds']:.1f}" + (f" ({min(runs):.1f}-{max(runs):.1f})" if len(runs) > 1 else "")
+
+
 def table(cases: list[dict], args, plain: dict, draw: bool) -> str:
     wan = f"{args.rate:g} Mbit/s, {args.rtt:g} ms RTT, {args.loss:g}% loss"
     scale = ((f", batch {TINYLM['batch_size']} split over the nodes" if args.scale == "strong" else
               f", batch {TINYLM['batch_size']} on every node") if args.workload == "tinylm" else "")
     lines = [f"## scaling ({time.strftime('%Y-%m-%d')}, {platform.machine()}, 2 cores, {args.cpus:g} CPU per node and "
              f"for the plain loop, WAN {wan}, {args.workload} to {args.target}{', --quick' if args.quick else ''}"
-             f"{scale})", "",
+             f"{scale}{f', median of {args.repeat} runs (range)' if args.repeat > 1 else ''})", "",
              "| case | mode | compression | seconds to target | global steps | final metric | speedup vs 1 node "
              "| vs plain loop |",
              "|---|---|---|---|---|---|---|---|",
-             f"| plain PyTorch loop | - | - | {plain['seconds']:.1f} | {plain['steps']} (local) "
+             f"| plain PyTorch loop | - | - | {spread(plain)} | {plain['steps']} (local) "
              f"| {plain['metric']:.3f} | - | 1.00 |"]
     for c in cases:
         speedup = "-" if c["speedup"] is None else f"{c['speedup']:.2f}"
         lines.append(f"| {c['nodes']} node{'s' if c['nodes'] > 1 else ''} | {c['mode']} | {c['compression']} | "
-                     f"{c['seconds']:.1f} | {c['steps']} | {c['final_metric']:.3f} | {speedup} | "
+                     f"{spread(c)} | {c['steps']} | {c['final_metric']:.3f} | {speedup} | "
                      f"{plain['seconds'] / c['seconds']:.2f} |")
     text = "\n".join(lines) + "\n"
     if not draw:
@@ -306,6 +330,7 @@ def main() -> int:
     parser.add_argument("--loss", type=float, default=0.5, help="WAN packet loss, percent")
     parser.add_argument("--eval-every", type=int, default=20, help="the plain loop's evaluation interval, steps")
     parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every case; the table shows medians")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--keep", type=Path, help="keep each case's logs and databases under this directory")
     args = parser.parse_args()
@@ -317,6 +342,8 @@ def main() -> int:
     if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
         # A case's coordinator would find the last run's database (and its owner) and fail minutes in.
         reason = f"--keep {args.keep} is not empty: name a new directory"
+    if args.repeat < 1:
+        reason = "--repeat must be at least 1"
     if reason:
         print(f"scaling: {reason}", file=sys.stderr)
         return 1
@@ -327,36 +354,46 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="gpuswarm-scaling-"))
         data = corpus(Path(tmp) / "stdlib")
-        print(f"plain loop under {args.cpus:g} CPU ...", file=sys.stderr)
-        plain = run_plain(data, args.target, args.cpus, args.eval_every, args.max_seconds, args.workload)
-        if plain["seconds"] is None:
-            print(f"scaling: the plain loop did not reach {args.target} in {args.max_seconds:g} s", file=sys.stderr)
-            return 1
-        print(f"  {plain['seconds']:.1f} s, {plain['steps']} steps", file=sys.stderr)
-        cases = []
         variants = [(mode, compression) for mode in modes for compression in compressions]
-        for mode, compression in variants:
-            for n in counts:
-                if n == 1 and any(c["mode"] == mode and c["nodes"] == 1 for c in cases):
-                    continue  # a lone node averages nothing: its time does not depend on the compression
-                print(f"{n} node(s), {mode}, {compression or 'default'} compression ...", file=sys.stderr)
-                r = run_swarm(n, data, args.target, mode, args.cpus, wan, args.max_seconds,
-                              Path(tmp) / f"{mode}-{compression or 'default'}-{n}", args.workload, args.scale,
-                              compression)
-                print(f"  {r['seconds']:.1f} s, {r['steps']} global steps, metric {r['metric']}", file=sys.stderr)
-                cases.append({"nodes": n, "mode": mode, "compression": compression
-                              or TrainingOptions.model_validate({"mode": mode}).compression,
-                              "batch_per_node": node_batch(n, args.scale) if args.workload == "tinylm" else None,
-                              "seconds": r["seconds"], "steps": r["steps"], "final_metric": r["metric"],
-                              "throttled_seconds": r["throttled_seconds"]})
+        # A lone node averages nothing: its time does not depend on the compression, so it runs once per mode.
+        keys = [(mode, compression, n) for mode, compression in variants for n in counts
+                if n > 1 or compression == compressions[0]]
+        plain_runs: list[dict] = []
+        runs: dict[tuple, list[dict]] = {key: [] for key in keys}
+        for r in range(1, args.repeat + 1):
+            round_of = f" (run {r} of {args.repeat})" if args.repeat > 1 else ""
+            print(f"plain loop under {args.cpus:g} CPU{round_of} ...", file=sys.stderr)
+            result = run_plain(data, args.target, args.cpus, args.eval_every, args.max_seconds, args.workload)
+            if result["seconds"] is None:
+                print(f"scaling: the plain loop did not reach {args.target} in {args.max_seconds:g} s", file=sys.stderr)
+                return 1
+            print(f"  {result['seconds']:.1f} s, {result['steps']} steps", file=sys.stderr)
+            plain_runs.append(result)
+            for mode, compression, n in keys:
+                print(f"{n} node(s), {mode}, {compression or 'default'} compression{round_of} ...", file=sys.stderr)
+                name = f"{mode}-{compression or 'default'}-{n}" + (f"-run{r}" if args.repeat > 1 else "")
+                result = run_swarm(n, data, args.target, mode, args.cpus, wan, args.max_seconds, Path(tmp) / name,
+                                   args.workload, args.scale, compression)
+                print(f"  {result['seconds']:.1f} s, {result['steps']} global steps, metric {result['metric']}",
+                      file=sys.stderr)
+                runs[mode, compression, n].append(result)
+        plain = median_run(plain_runs)
+        cases = []
+        for (mode, compression, n), results in runs.items():
+            r = median_run(results)
+            cases.append({"nodes": n, "mode": mode, "compression": compression
+                          or TrainingOptions.model_validate({"mode": mode}).compression,
+                          "batch_per_node": node_batch(n, args.scale) if args.workload == "tinylm" else None,
+                          "seconds": r["seconds"], "runs": r["runs"], "steps": r["steps"], "final_metric": r["metric"],
+                          "throttled_seconds": r["throttled_seconds"]})
         for mode in modes:  # speedup against the mode's one node
             one = next((c["seconds"] for c in cases if c["mode"] == mode and c["nodes"] == 1), None)
             for c in cases:
                 if c["mode"] == mode:
                     c["speedup"] = one / c["seconds"] if one else None
     if args.json:
-        print(json.dumps({"nodes": 0, "mode": "plain", "seconds": plain["seconds"], "steps": plain["steps"],
-                          "final_metric": plain["metric"], "speedup": None}))
+        print(json.dumps({"nodes": 0, "mode": "plain", "seconds": plain["seconds"], "runs": plain["runs"],
+                          "steps": plain["steps"], "final_metric": plain["metric"], "speedup": None}))
         for c in cases:
             print(json.dumps(c))
     text = table(cases, args, plain, draw=not args.no_write)
