@@ -155,7 +155,8 @@ class NodeDaemon:
     async def _step_unless_stopped(self, stop: asyncio.Event) -> None:
         """One `step`, cut short when a stop is asked for: a heartbeat or upload that waits on a slow coordinator (up
         to the client's 10 s) must not hold up the bounded shutdown, which sends what matters again anyway. What a
-        cancelled step started cannot outlive the daemon: workers and DHT processes die with it."""
+        cancelled step started cannot outlive the daemon: workers and DHT processes die with it, and the shutdown
+        takes down a mesh interface still coming up (MeshLink.close)."""
         step = asyncio.create_task(self.step(), name="supervisor-step")
         stopped = asyncio.create_task(stop.wait())
         try:
