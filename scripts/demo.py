@@ -171,7 +171,7 @@ def follow(swarm, job_id: str, timeout: float) -> JobDetail:
             return job
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} did not finish within {timeout:.0f}s")
-    raise RuntimeError(f"stopped watching job {job_id} before it ended (see the coordinator's log)")
+    raise RuntimeError(f"stopped watching job {job_id} before it ended (see follow.log and coordinator.log)")
 
 
 def report(swarm, job: JobDetail, directory: Path, started: float) -> int:

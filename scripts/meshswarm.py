@@ -110,14 +110,15 @@ class MeshSwarm:
     def client(self) -> CliClient:
         return CliClient(self)
 
-    def follow_job(self, job_id: str, interval: float = 0.5) -> Iterator[dict]:
+    def follow_job(self, job_id: str, interval: float = 0.5, unreachable_s: float = 60.0) -> Iterator[dict]:
         """The job's detail at every look until it has ended (the last one), from one `gpuswarm job status --follow
         --json` in the coordinator's namespace. A CLI process per look (`client.job`) costs about 0.9 CPU-s: at a
-        look a second, half a core taken from the nodes that a benchmark or the demo is timing."""
+        look a second, half a core taken from the nodes that a benchmark or the demo is timing. The looks stop early
+        when the coordinator stays unreachable for `unreachable_s`; the watcher says why in follow.log."""
         argv = [sys.executable, "-m", "gpuswarm.cli", "job", "status", job_id, "--follow", "--json", "--interval",
-                str(interval), "-c", self.url, "--token", self.token]
-        process = self.lab.popen(0, argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                 start_new_session=True)
+                str(interval), "--timeout", str(unreachable_s), "-c", self.url, "--token", self.token]
+        with open(self.root / "follow.log", "ab") as log:
+            process = self.lab.popen(0, argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
         try:
             for line in process.stdout:
                 yield json.loads(line)
