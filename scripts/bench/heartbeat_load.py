@@ -1,19 +1,24 @@
 """Heartbeat load on a real coordinator process: throughput, latency percentiles and the CPU each side spends, for
 scripts/bench/market.py.
 
-Starts `gpuswarm coordinator serve` (its own process, with the given database), registers `nodes` signed nodes,
-pre-signs every heartbeat (fresh nonce each, so none is a replay) and pre-builds each whole HTTP request, then keeps
-`concurrency` keep-alive connections busy for `seconds`, one request in flight on each, and records each latency.
+Starts `gpuswarm coordinator serve` (its own process, with the given database; on PostgreSQL optionally several
+coordinators on the one database, as a deployment scales out), registers `nodes` signed nodes, pre-signs every
+heartbeat (fresh nonce each, so none is a replay) and pre-builds each whole HTTP request, then keeps `concurrency`
+keep-alive connections busy for `seconds`, one request in flight on each (spread evenly over the coordinators),
+and records each latency.
 
 The load client shares the machine's cores with the coordinator, so it is kept lean: a bare asyncio protocol that
 writes ready-made request bytes and reads just the status line and Content-Length of each answer (no HTTP client
 library, no JSON, no signing while timed). Both sides' CPU time over the timed window is reported (the coordinator's
-whole process group, its DHT child included), per heartbeat: on a shared machine those are steadier than the rate.
+whole process group, its DHT child included; all of them when there are several), per heartbeat, and the PostgreSQL
+server's processes' (`db_cpu_us`; 0 on SQLite, which runs inside the coordinator): on a shared machine those are
+steadier than the rate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -43,20 +48,25 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _group_cpu(session_id: int) -> float:
-    """CPU seconds (user + system) of every live process in the session `session_id` (the coordinator's group)."""
-    total = 0
+def _cpu(session_ids: set[int], command: bytes) -> tuple[float, float]:
+    """CPU seconds (user + system) of every live process in the sessions `session_ids` (the coordinators' groups),
+    and of every live process named `command` (the database server's)."""
+    in_sessions = named = 0
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+                name, fields = f.read().rsplit(b")", 1)
         except OSError:
             continue
-        if int(fields[3]) == session_id:  # fields from the state on: state ppid pgrp session ... utime stime
-            total += int(fields[11]) + int(fields[12])
-    return total / TICKS
+        fields = fields.split()  # from the state on: state ppid pgrp session ... utime stime
+        ticks = int(fields[11]) + int(fields[12])
+        if int(fields[3]) in session_ids:
+            in_sessions += ticks
+        elif name.split(b"(", 1)[-1] == command:
+            named += ticks
+    return in_sessions / TICKS, named / TICKS
 
 
 class _Connection(asyncio.Protocol):
@@ -130,8 +140,9 @@ async def _register(url: str, identities: list[Identity]) -> None:
                     raise RuntimeError(f"registration failed: {r.status} {await r.text()}")
 
 
-async def _load(port: int, nodes: int, seconds: float, concurrency: int, session_id: int) -> dict:
+async def _load(ports: list[int], nodes: int, seconds: float, concurrency: int, session_ids: set[int]) -> dict:
     identities = [Identity(Ed25519PrivateKey.generate()) for _ in range(nodes)]
+    port = ports[0]
     await _register(f"http://127.0.0.1:{port}", identities)
     budget = int(seconds * 8000) + concurrency  # more than the coordinator can take in `seconds`
     head = (f"POST /v1/nodes/heartbeat HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
@@ -144,23 +155,24 @@ async def _load(port: int, nodes: int, seconds: float, concurrency: int, session
         requests.append(head.format(len(body)).encode() + body)
     loop = asyncio.get_running_loop()
     load = _Load(requests, deadline=0.0)
-    connections = [(await loop.create_connection(lambda: _Connection(load), "127.0.0.1", port))[1]
-                   for _ in range(concurrency)]
-    server_cpu, client_cpu = _group_cpu(session_id), time.process_time()
+    connections = [(await loop.create_connection(lambda: _Connection(load), "127.0.0.1", ports[k % len(ports)]))[1]
+                   for k in range(concurrency)]
+    (server_cpu, db_cpu), client_cpu = _cpu(session_ids, b"postgres"), time.process_time()
     started = time.perf_counter()
     load.deadline = started + seconds
     for conn in connections:
         conn.send()
     await asyncio.gather(*(c.closed for c in connections))
     elapsed = time.perf_counter() - started
-    server_cpu, client_cpu = _group_cpu(session_id) - server_cpu, time.process_time() - client_cpu
+    (server_after, db_after), client_cpu = _cpu(session_ids, b"postgres"), time.process_time() - client_cpu
+    server_cpu, db_cpu = server_after - server_cpu, db_after - db_cpu
     n = len(load.latencies)
     if load.cursor == budget:
         raise RuntimeError(f"all {budget} pre-built heartbeats were sent before the deadline: raise the budget")
     return {"requests": n, "errors": load.errors, "per_second": n / elapsed,
             "p50_ms": 1000 * statistics.median(load.latencies), "p99_ms": 1000 * _percentile(load.latencies, 0.99),
-            "server_cpu_us": 1e6 * server_cpu / n, "client_cpu_us": 1e6 * client_cpu / n,
-            "server_cores": server_cpu / elapsed, "client_cores": client_cpu / elapsed}
+            "server_cpu_us": 1e6 * server_cpu / n, "client_cpu_us": 1e6 * client_cpu / n, "db_cpu_us": 1e6 * db_cpu / n,
+            "server_cores": server_cpu / elapsed, "client_cores": client_cpu / elapsed, "db_cores": db_cpu / elapsed}
 
 
 # Runs the CLI with another coordinator/heartbeats.py in place of the installed one (an older version, to compare).
@@ -177,41 +189,52 @@ main()
 
 
 def run(database_url: str | None, *, nodes: int = 200, seconds: float = 10.0, concurrency: int = 32,
-        event_loop: str = "auto", heartbeats_module: Path | None = None) -> dict:
-    """Start a coordinator on `database_url` (None: SQLite in a temporary dir), load it, stop it.
+        event_loop: str = "auto", heartbeats_module: Path | None = None, coordinators: int = 1) -> dict:
+    """Start `coordinators` coordinators on `database_url` (None: SQLite in a temporary dir, which takes one
+    only), load them, stop them.
 
     `event_loop` is `coordinator serve --event-loop`; `heartbeats_module` a file that replaces
-    coordinator/heartbeats.py in the coordinator's process (None: the installed one)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
+    coordinator/heartbeats.py in the coordinators' processes (None: the installed one)."""
+    if coordinators > 1 and not database_url:
+        raise ValueError("several coordinators share a PostgreSQL database; SQLite takes one")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
         if database_url:
             env["DATABASE_URL"] = database_url
-        log = open(Path(tmp) / "coordinator.log", "wb")
         launcher = (["-m", "gpuswarm.cli"] if heartbeats_module is None
                     else ["-c", _WITH_HEARTBEATS, str(heartbeats_module)])
-        proc = subprocess.Popen([sys.executable, *launcher, "coordinator", "serve", "--port", str(port),
-                                 "--data-dir", str(Path(tmp) / "data"), "--log-level", "warning",
-                                 "--event-loop", event_loop],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        ports, procs = [], []
+        for k in range(coordinators):
+            port, data = _free_port(), Path(tmp) / f"data{k}"
+            log = stack.enter_context(open(Path(tmp) / f"coordinator{k}.log", "wb"))
+            proc = subprocess.Popen([sys.executable, *launcher, "coordinator", "serve", "--port", str(port),
+                                     "--data-dir", str(data), "--log-level", "warning", "--event-loop", event_loop],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            stack.callback(_stop, proc)
+            _wait_listening(proc, port, log.name)
+            ports.append(port)
+            procs.append(proc)
+        return asyncio.run(_load(ports, nodes, seconds, concurrency, {p.pid for p in procs}))
+
+
+def _wait_listening(proc: subprocess.Popen, port: int, log: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                        break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"coordinator did not start; see {log.name}") from None
-                    time.sleep(0.2)
-            return asyncio.run(_load(port, nodes, seconds, concurrency, proc.pid))
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            log.close()
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"coordinator did not start; see {log}") from None
+            time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
