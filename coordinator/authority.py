@@ -6,6 +6,11 @@ a node's own (scope `NODE_SCOPE`: its advert) with its registration and every he
 (scope: the run id) with each active assignment it polls. A cert lives `CoordinatorConfig.dht_cert_ttl` seconds:
 a node that is revoked, or loses or ends its assignment, gets no new one, and its records fail everywhere once
 the last one expires. A running job rides out a coordinator outage of up to that long.
+
+A cert is signed again only once the last one issued for the same node and scope has lived half its life: until
+then every answer carries that one. Nodes take a cert only when it lasts half a life longer than theirs
+(`dht.validators.renewal_due`), so a fresh signature per heartbeat bought them nothing and cost the coordinator a
+tenth of a heartbeat's CPU (decision 0019).
 """
 
 from __future__ import annotations
@@ -30,12 +35,27 @@ class Authority:
     def __init__(self, private_key: Ed25519PrivateKey, ttl: float):
         self._key, self.ttl = private_key, ttl
         self.public_key = public_key_b64(private_key.public_key())
+        self._issued: dict[tuple[str, str], tuple[float, SignedEnvelope]] = {}  # (node, scope): (renew at, cert)
+        self._prune_at = 1024  # the cache's size at which the certs due for renewal are dropped
 
     def node_cert(self, node_id: str, now: float | None = None) -> SignedEnvelope:
-        return issue_cert(self._key, node_id, NODE_SCOPE, self.ttl, time.time() if now is None else now)
+        return self._cert(node_id, NODE_SCOPE, time.time() if now is None else now)
 
     def run_ticket(self, node_id: str, run_id: str, now: float | None = None) -> SignedEnvelope:
-        return issue_cert(self._key, node_id, run_id, self.ttl, time.time() if now is None else now)
+        return self._cert(node_id, run_id, time.time() if now is None else now)
+
+    def _cert(self, node_id: str, scope: str, now: float) -> SignedEnvelope:
+        """The last cert issued for (node, scope) while it is younger than half its life (and not from the
+        future: a clock set back), else a new one."""
+        key = (node_id, scope)
+        if (entry := self._issued.get(key)) is not None and entry[1].timestamp <= now < entry[0]:
+            return entry[1]
+        cert = issue_cert(self._key, node_id, scope, self.ttl, now)
+        if len(self._issued) >= self._prune_at:  # nodes that left, runs that ended: dropped, amortised O(1)
+            self._issued = {k: v for k, v in self._issued.items() if now < v[0]}
+            self._prune_at = max(1024, 2 * len(self._issued))
+        self._issued[key] = (now + (float(cert.payload["expires_at"]) - now) / 2, cert)
+        return cert
 
     def secret(self, purpose: str) -> bytes:
         """A key for `purpose` (the audit draw), derived from the authority key: the same on every coordinator of

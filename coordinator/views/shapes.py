@@ -18,7 +18,6 @@ from gpuswarm.coordinator.db import Artifact, AssignmentRow, Audit, Contribution
 from gpuswarm.coordinator.ledger import Ignored
 from gpuswarm.proto.dht import job_run_id
 from gpuswarm.proto.models import Assignment, AssignmentState, CheckpointRef, JobSpec, JobState
-from gpuswarm.proto.signing import SignedEnvelope
 
 from gpuswarm import __version__
 
@@ -93,11 +92,6 @@ def node_list_json(nodes: Iterable[Node], adverts: dict, jobs: dict[str, list[st
                    reputations: dict[str, float]) -> dict:
     return {"nodes": [node_json(n, adverts) | {"job_id": (jobs.get(n.id) or [None])[0], "job_ids": jobs.get(n.id, []),
                                                "reputation": reputations[n.id]} for n in nodes]}
-
-
-def heartbeat_json(challenge: bool, certificate: SignedEnvelope) -> dict:
-    return {"ok": True, "server_time": time.time(), "challenge": challenge,
-            "certificate": certificate.model_dump(mode="json")}
 
 
 def revoked_json(node_id: str) -> dict:
