@@ -80,6 +80,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 logger = logging.getLogger(__name__)
 DHT_TIMEOUT = 5.0
+# Seconds the DHT process gets to stop before it is killed. Its graceful stop was seen to take longer than hivemind's
+# default of 3 s, every time. The bootstrap peer has nothing to hand over, and it keeps its peers in dht-peers.json.
+DHT_STOP_TIMEOUT = 1.0
 
 
 def load_or_create_admin_token(path: Path) -> str:
@@ -156,7 +159,7 @@ def _start_dht(config: CoordinatorConfig, authority: str):
         return SwarmDHT(
             host_maddrs=[f"/ip4/{config.dht_host}/tcp/{port}"], start=True, initial_peers=initial_peers,
             identity_path=str(config.data_dir / "dht.key"), check_if_identity_free=False,
-            ensure_bootstrap_success=False,
+            ensure_bootstrap_success=False, shutdown_timeout=DHT_STOP_TIMEOUT,
             # It stores and reads only records chained to this swarm's authority (gpuswarm.dht.validators).
             record_validators=validators(authority))
 
@@ -230,6 +233,13 @@ async def _supervisor(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(supervise(app), name="coordinator-supervisor")
     yield
     await tasks.stop(task)
+
+
+async def _release_long_polls(app: web.Application) -> None:
+    """on_shutdown: runs once the server stopped accepting and before it waits for the requests in flight, which
+    would otherwise wait out every node's mesh long-poll (the whole shutdown timeout; decision 0021)."""
+    if MESH_VERSION in app:
+        await app[MESH_VERSION].release()
 
 
 async def supervise(app: web.Application) -> None:
@@ -453,6 +463,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
                           client_max_size=config.max_artifact_bytes)
     app[CONFIG] = config
     app.cleanup_ctx.extend([_database, _heartbeats, _dht, _supervisor])
+    app.on_shutdown.append(_release_long_polls)
     setup_metrics(app)  # GET /metrics and the per-app registry
     views.setup_routes(app)
     challenge.setup_routes(app)  # GPU challenge routes and sweep (its cleanup_ctx step follows the database)

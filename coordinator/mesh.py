@@ -5,7 +5,7 @@ online, unrevoked node of the mesh, with the relay to route through where the tw
 plan (`update_relays`, run by the leader's supervisor: `gpuswarm.mesh.relays` decides), and `MeshVersion`, the
 change counter that long-polling nodes wait on. The version starts from the clock in milliseconds, so it never
 goes backwards across a coordinator restart and a node's `since` from before the restart is simply answered at
-once.
+once. A stopping coordinator answers every long-poll at once (`release`), so a stop does not wait out the polls.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class MeshVersion:
     def __init__(self) -> None:
         self.value = int(time.time() * 1000)
         self._changed = asyncio.Condition()
+        self._released = False
 
     async def bump(self) -> int:
         async with self._changed:
@@ -38,8 +39,15 @@ class MeshVersion:
         async with self._changed:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
-                    await self._changed.wait_for(lambda: self.value > since)
+                    await self._changed.wait_for(lambda: self.value > since or self._released)
         return self.value
+
+    async def release(self) -> None:
+        """The coordinator is stopping: answer the long-polls waiting now, and later ones at once, with the current
+        version. Each node polls again, finds this coordinator gone and turns to the next one (or retries)."""
+        async with self._changed:
+            self._released = True
+            self._changed.notify_all()
 
 
 async def _load_ipam(session: AsyncSession, cidr: str) -> MeshIPAM:
