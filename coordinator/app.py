@@ -83,6 +83,7 @@ DHT_TIMEOUT = 5.0
 # Seconds the DHT process gets to stop before it is killed. Its graceful stop was seen to take longer than hivemind's
 # default of 3 s, every time. The bootstrap peer has nothing to hand over, and it keeps its peers in dht-peers.json.
 DHT_STOP_TIMEOUT = 1.0
+PEER_PROBE_TIMEOUT = 1.0  # seconds a remembered DHT peer gets to take a TCP connection before start-up goes on
 
 
 def load_or_create_admin_token(path: Path) -> str:
@@ -153,7 +154,11 @@ def _start_dht(config: CoordinatorConfig, authority: str):
 
     port_file, peers_file = config.data_dir / "dht.port", config.data_dir / "dht-peers.json"
     port = config.dht_port or _saved_port(port_file, config.dht_host)
-    known = list(dict.fromkeys([*config.dht_initial_peers, *_read_json_list(peers_file)]))
+    remembered = list(dict.fromkeys([*config.dht_initial_peers, *_read_json_list(peers_file)]))
+    known = answering(remembered)
+    if len(known) < len(remembered):
+        logger.info("%d of the %d DHT peers given or seen before the restart did not answer within %.0f s; "
+                    "starting without them", len(remembered) - len(known), len(remembered), PEER_PROBE_TIMEOUT)
 
     def start(initial_peers: list[str]):
         return SwarmDHT(
@@ -168,12 +173,35 @@ def _start_dht(config: CoordinatorConfig, authority: str):
     except P2PDaemonError as e:  # p2pd refuses to start when no bootstrap peer answers: start alone
         if not known:
             raise
-        logger.info("none of the %d peers seen before the restart answered (%s); starting alone", len(known), e)
+        logger.info("p2pd could not bootstrap from the %d peers that answered (%s); starting alone", len(known), e)
         dht = start([])
     ports = {int(m.value_for_protocol("tcp")) for m in dht.get_visible_maddrs() if "/tcp/" in str(m)}
     if len(ports) == 1:
         port_file.write_text(f"{ports.pop()}\n")
     return dht
+
+
+def answering(maddrs: list[str], timeout: float = PEER_PROBE_TIMEOUT) -> list[str]:
+    """The multiaddrs among `maddrs` whose TCP port takes a connection within `timeout` (all probed at once), in
+    their order; one that names no IP address and TCP port is kept untried. p2pd waits out its dial timeout (about
+    15 s) on a bootstrap peer that stays silent, a node whose host has gone, while the coordinator cannot serve."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    def answers(maddr: str) -> bool:
+        parts = maddr.split("/")  # /ip4/HOST/tcp/PORT/p2p/ID
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+            return True
+        try:
+            with socket.create_connection((parts[2], int(parts[4])), timeout=timeout):
+                return True
+        except (OSError, ValueError):
+            return False
+
+    if not maddrs:
+        return []
+    with ThreadPoolExecutor(max_workers=min(len(maddrs), 32)) as pool:
+        return [m for m, ok in zip(maddrs, pool.map(answers, maddrs), strict=True) if ok]
 
 
 def _saved_port(path: Path, host: str) -> int:

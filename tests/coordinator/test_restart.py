@@ -8,6 +8,7 @@ new process's worth of state (a new `create_app`) on the first one's files.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from gpuswarm.client.api import CoordinatorClient
-from gpuswarm.coordinator.app import create_app
+from gpuswarm.coordinator.app import answering, create_app
 from gpuswarm.coordinator.config import DHT_PEERS, CoordinatorConfig
 from test_api import (
     claim,
@@ -96,6 +97,22 @@ async def test_the_dht_peer_comes_back_with_the_same_identity_and_address(data_d
         after = client.server.app[DHT_PEERS]
         assert (await (await client.get("/v1/dht")).json())["initial_peers"][:len(after)] == after
     assert before and after == before
+
+
+def test_remembered_dht_peers_that_stay_silent_are_left_out_not_waited_for(data_dir):
+    """p2pd waits about 15 s on a bootstrap peer whose host has gone (silence, not a refusal), during which the
+    coordinator cannot serve. A listening socket whose accept queue is full stays silent like that host."""
+    peer_id = "12D3KooWHzMeEA8BjM4MXzkpvoB6DThn43fTWURip1W9mC3hzqo9"
+    with socket.create_server(("127.0.0.1", 0)) as alive, socket.create_server(("127.0.0.1", 0), backlog=0) as gone, \
+            socket.create_connection(gone.getsockname(), timeout=1):  # fills the one place in `gone`'s queue
+        refusing = socket.create_server(("127.0.0.1", 0))
+        refusing_port = refusing.getsockname()[1]
+        refusing.close()
+        maddrs = [f"/ip4/127.0.0.1/tcp/{gone.getsockname()[1]}/p2p/{peer_id}",
+                  f"/ip4/127.0.0.1/tcp/{alive.getsockname()[1]}/p2p/{peer_id}",
+                  f"/ip4/127.0.0.1/tcp/{refusing_port}/p2p/{peer_id}",
+                  f"/dns4/example.org/tcp/4001/p2p/{peer_id}"]  # not an address to probe: kept, p2pd resolves it
+        assert answering(maddrs, timeout=0.5) == maddrs[1::2]
 
 
 async def test_one_of_two_coordinators_on_postgresql_leads_and_the_other_takes_over(tmp_path, postgres_url):
