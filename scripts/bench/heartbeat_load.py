@@ -225,7 +225,8 @@ def _wait_listening(proc: subprocess.Popen, port: int, log: str) -> None:
                 return
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"coordinator did not start; see {log}") from None
+                tail = Path(log).read_text(errors="replace")[-2000:]  # the file goes with the temporary dir
+                raise RuntimeError(f"coordinator did not start; its log ends:\n{tail}") from None
             time.sleep(0.2)
 
 
