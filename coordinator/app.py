@@ -63,6 +63,7 @@ from gpuswarm.coordinator.db import (
     JobEvent,
     Node,
     forget_expired_nonces,
+    in_chunks,
     make_engine,
     sessionmaker,
 )
@@ -231,9 +232,11 @@ MAX_BOOTSTRAP_NODES = 8  # node peers handed out beside the coordinator's own, a
 
 async def node_peers(sessions: async_sessionmaker[AsyncSession], adverts: dict) -> list[str]:
     """DHT multiaddrs of a few live nodes, from their signed adverts: only nodes registered here and online."""
+    online: set[str] = set()
     async with sessions() as session:
-        online = set((await session.scalars(select(Node.id).where(
-            Node.id.in_(list(adverts)), Node.online.is_(True), Node.revoked.is_(False)))).all())
+        for ids in in_chunks(adverts):
+            online.update((await session.scalars(select(Node.id).where(
+                Node.id.in_(ids), Node.online.is_(True), Node.revoked.is_(False)))).all())
     maddrs = [m for node_id, advert in adverts.items() if node_id in online and advert.get("state") != "offline"
               for m in advert.get("maddrs", [])[:2]]
     return maddrs[:2 * MAX_BOOTSTRAP_NODES]
@@ -367,8 +370,9 @@ async def observe_progress(sessions: async_sessionmaker[AsyncSession], dht) -> N
                 epochs[job_id] = swarm_epoch(seen)
     if epochs:
         async with sessions.begin() as session:
-            for job in (await session.scalars(select(Job).where(Job.id.in_(list(epochs))))).all():
-                job.dht_epoch = max(job.dht_epoch or 0, epochs[job.id])
+            for ids in in_chunks(epochs):
+                for job in (await session.scalars(select(Job).where(Job.id.in_(ids)))).all():
+                    job.dht_epoch = max(job.dht_epoch or 0, epochs[job.id])
 
 
 async def tick(sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig, now: float,

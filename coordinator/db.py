@@ -3,6 +3,7 @@
 SQLite (a file under the data directory) is the default; PostgreSQL (asyncpg) works through DATABASE_URL. The
 schema belongs to the migrations (`gpuswarm.coordinator.migrate`): after changing a model here, run
 scripts/new-migration "what changed" and commit the revision it writes.
+A filter on a list of values longer than IN_LIST_LIMIT (every online node) goes in `in_chunks`, one query each.
 Times are stored as UNIX seconds (floats), which keeps them comparable with the nodes' signed timestamps.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 from gpuswarm.coordinator.errors import Conflict
 from sqlalchemy import (
@@ -452,6 +454,20 @@ def _switch_to_wal(cursor) -> None:  # noqa: ANN001 - a DB-API cursor
             if "locked" not in str(e) or time.monotonic() > deadline:
                 raise
         await_only(asyncio.sleep(0.05))
+
+
+T = TypeVar("T")
+# Values in one `column.in_(...)` list. asyncpg refuses a query with more than 32,767 arguments, and SQLite before
+# 3.32 one with more than 999: a tick over 40,000 online nodes failed on PostgreSQL at its first query.
+IN_LIST_LIMIT = 10_000
+
+
+def in_chunks(values: Iterable[T], size: int | None = None) -> Iterator[list[T]]:
+    """`values` in lists of at most `size` (default IN_LIST_LIMIT), for one `column.in_(chunk)` query each."""
+    size = size or IN_LIST_LIMIT
+    values = list(values)
+    for start in range(0, len(values), size):
+        yield values[start:start + size]
 
 
 def make_engine(url: str) -> AsyncEngine:

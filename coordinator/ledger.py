@@ -54,6 +54,7 @@ from gpuswarm.coordinator.db import (
     LedgerEntry,
     Node,
     Suspicion,
+    in_chunks,
 )
 from gpuswarm.coordinator.errors import Conflict, Unprocessable
 from gpuswarm.coordinator.requests import parse
@@ -230,12 +231,13 @@ BAN_QUORUM = 2  # distinct witnesses (members whose reducers clipped it, referee
 async def banned(session: AsyncSession, job_ids: list[str]) -> dict[str, set[str]]:
     """{job: the nodes banned from it}: those BAN_QUORUM distinct witnesses named. The one source of a ban, read by
     crediting and by the matcher (a banned node is never given the job again, whatever its assignment's state)."""
-    rows = await session.execute(select(Suspicion.job_id, Suspicion.node_id).where(Suspicion.job_id.in_(job_ids))
-                                 .group_by(Suspicion.job_id, Suspicion.node_id)
-                                 .having(func.count() >= BAN_QUORUM))
     found: dict[str, set[str]] = {}
-    for job_id, node_id in rows.all():
-        found.setdefault(job_id, set()).add(node_id)
+    for ids in in_chunks(job_ids):  # the matcher's tick asks for every open job
+        rows = await session.execute(select(Suspicion.job_id, Suspicion.node_id).where(Suspicion.job_id.in_(ids))
+                                     .group_by(Suspicion.job_id, Suspicion.node_id)
+                                     .having(func.count() >= BAN_QUORUM))
+        for job_id, node_id in rows.all():
+            found.setdefault(job_id, set()).add(node_id)
     return found
 
 

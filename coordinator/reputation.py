@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpuswarm.coordinator.db import AssignmentRow, Contribution, Node
+from gpuswarm.coordinator.db import AssignmentRow, Contribution, Node, in_chunks
 from gpuswarm.proto.models import AssignmentState
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -47,19 +47,22 @@ def score(record: Record) -> float:
 
 
 async def records(session: AsyncSession, nodes: list[Node], now: float) -> dict[str, Record]:
-    """The record of each of `nodes`, from the nodes table, assignments and flagged claims (two grouped queries)."""
-    ids = [n.id for n in nodes]
+    """The record of each of `nodes`, from the nodes table, assignments and flagged claims (two grouped queries
+    per `in_chunks` list of nodes)."""
     ended = {AssignmentState.FINISHED.value: "completed", AssignmentState.FAILED.value: "abandoned",
              AssignmentState.LOST.value: "abandoned"}
-    counts: dict[str, dict[str, int]] = {i: {"completed": 0, "abandoned": 0} for i in ids}
-    for node_id, state, n in await session.execute(
-            select(AssignmentRow.node_id, AssignmentRow.state, func.count())
-            .where(AssignmentRow.node_id.in_(ids), AssignmentRow.state.in_(list(ended)))
-            .group_by(AssignmentRow.node_id, AssignmentRow.state)):
-        counts[node_id][ended[state]] += n
-    flagged = dict((await session.execute(
-        select(Contribution.node_id, func.count()).where(Contribution.node_id.in_(ids), Contribution.flag.is_not(None))
-        .group_by(Contribution.node_id))).all())
+    counts: dict[str, dict[str, int]] = {n.id: {"completed": 0, "abandoned": 0} for n in nodes}
+    flagged: dict[str, int] = {}
+    for ids in in_chunks(counts):  # the matcher's tick asks for every online node
+        for node_id, state, n in await session.execute(
+                select(AssignmentRow.node_id, AssignmentRow.state, func.count())
+                .where(AssignmentRow.node_id.in_(ids), AssignmentRow.state.in_(list(ended)))
+                .group_by(AssignmentRow.node_id, AssignmentRow.state)):
+            counts[node_id][ended[state]] += n
+        flagged.update((await session.execute(
+            select(Contribution.node_id, func.count())
+            .where(Contribution.node_id.in_(ids), Contribution.flag.is_not(None))
+            .group_by(Contribution.node_id))).all())
     return {n.id: Record(uptime=n.online_seconds / max(now - n.registered_at, 1.0), **counts[n.id],
                          challenges_passed=n.challenges_passed or 0,
                          challenges_failed=n.challenges_failed or 0,
