@@ -4,6 +4,9 @@ Sections (run the ones named on the command line; by default all):
 - matcher: one matching pass over 100,000 nodes x 10,000 jobs (goal: under 1 s), 10,000 x 1,000 and 1,000 x 100;
   the median of several runs each. The first matcher (commit PREVIOUS) runs on the two smaller markets in the same
   run and is reported as a ratio (on the largest it would take minutes).
+- tick: the coordinator's whole tick (scripts/bench/tick_load.py) on the largest market in a database, SQLite and
+  PostgreSQL: loading the nodes and jobs, their views, the matcher, the reservations and the writes; a cold start
+  (every job starts) and the next tick (the steady state), with the longest the event loop was held.
 - heartbeats: signed heartbeats against a real coordinator process on SQLite, and on PostgreSQL with one and with two
   coordinators on the database (goal: >= 2,000/s, p99 under 50 ms).
 
@@ -228,8 +231,42 @@ def section_heartbeats(args: argparse.Namespace) -> tuple[str, str]:
     return "heartbeats", f"{note}\n\n{table}\n\n{chart}"
 
 
+def section_tick(args: argparse.Namespace) -> tuple[str, str]:
+    """`app.tick` on the largest market, in a database, twice: cold (every job starts) and steady (a tick later)."""
+    import pglab
+    import tick_load
+
+    n_nodes, n_jobs = 100_000, 10_000
+    cases: list[tuple[str, str | None]] = [("SQLite", None)]
+    rows = []
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(pglab.server())
+            url = asyncio.run(server.create_database("bench_tick"))
+            cases.append(("PostgreSQL 15", url.render_as_string(hide_password=False)
+                          if hasattr(url, "render_as_string") else str(url)))
+        except pglab.PostgresUnavailable as e:
+            print(f"  PostgreSQL skipped: {e}", file=sys.stderr)
+        for name, url in cases:
+            print(f"  {name}: filling {n_nodes:,} nodes x {n_jobs:,} jobs, then two ticks", file=sys.stderr)
+            for label, r in zip(("cold start", "next tick"), tick_load.run(url, n_nodes, n_jobs), strict=True):
+                rows.append([name, label, f"{r['seconds']:.1f} s", f"{r['cpu_seconds']:.1f} s", f"{r['matches']:,}",
+                             f"{r['longest_stall']:.2f} s"])
+                print(f"    {label}: {rows[-1][2]} wall, {rows[-1][5]} longest loop stall", file=sys.stderr)
+    header = ["database", "tick", "wall", "CPU", "matches", "longest event-loop stall"]
+    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                       *("| " + " | ".join(r) + " |" for r in rows)])
+    note = (f"`app.tick` in one process on a database filled with the matcher's synthetic market ({n_nodes:,} nodes "
+            f"x {n_jobs:,} jobs, every node online, the owner funded; scripts/bench/tick_load.py): the first tick "
+            "starts every job it can, the next finds the same market a tick later. CPU is the process's (on "
+            "SQLite the database runs inside it). The stall is the longest a probe task that sleeps 10 ms at a "
+            "time waited beyond that: how long the coordinator answered nothing. On SQLite the tick also holds "
+            "the coordinator's one database connection throughout, so heartbeats wait for the whole tick.")
+    return "tick", f"{note}\n\n{table}"
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], tuple[str, str]]] = {
-    "matcher": section_matcher, "heartbeats": section_heartbeats}
+    "matcher": section_matcher, "tick": section_tick, "heartbeats": section_heartbeats}
 
 
 def main() -> int:
