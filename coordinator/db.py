@@ -457,8 +457,8 @@ def _switch_to_wal(cursor) -> None:  # noqa: ANN001 - a DB-API cursor
 
 
 T = TypeVar("T")
-# Values in one `column.in_(...)` list. asyncpg refuses a query with more than 32,767 arguments, and SQLite before
-# 3.32 one with more than 999: a tick over 40,000 online nodes failed on PostgreSQL at its first query.
+# Values in one `column.in_(...)` list. asyncpg refuses a query with more than 32,767 arguments (SQLite since 3.32
+# takes 32,766 or more): a tick over 40,000 online nodes failed on PostgreSQL at its first such query.
 IN_LIST_LIMIT = 10_000
 
 
