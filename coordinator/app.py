@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -70,13 +71,13 @@ from gpuswarm.coordinator.db import (
 from gpuswarm.coordinator.errors import error_middleware
 from gpuswarm.coordinator.heartbeats import HeartbeatBatcher
 from gpuswarm.coordinator.leader import Leadership
-from gpuswarm.coordinator.matcher import JobView, NodeView, match
+from gpuswarm.coordinator.matcher import JobView, Match, NodeView, match, wants_nodes
 from gpuswarm.coordinator.mesh import MeshVersion, update_relays
 from gpuswarm.coordinator.metrics import CoordinatorMetrics, metrics_middleware, setup_metrics
 from gpuswarm.coordinator.store import BlobStore, LocalBlobStore
 from gpuswarm.mesh import ipam
 from gpuswarm.proto.models import AssignmentState, JobSpec, JobState, Resources
-from sqlalchemy import or_, select
+from sqlalchemy import Text, cast, insert, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,11 @@ DHT_TIMEOUT = 5.0
 # Seconds the DHT process gets to stop before it is killed. Its graceful stop was seen to take longer than hivemind's
 # default of 3 s, every time. The bootstrap peer has nothing to hand over, and it keeps its peers in dht-peers.json.
 DHT_STOP_TIMEOUT = 1.0
+# Distinct node resources (and, apart, job specs) whose validated models the tick keeps, each about 2 KB: nodes of one
+# hardware and settings share one text, so a swarm has far fewer than nodes; the bound holds memory to ~130 MB each.
+PARSED_CACHE = 1 << 16
+ROWS_PER_PART = 10_000  # online nodes fetched between two turns of the event loop
+LOGGED_MATCHES = 20  # a tick's log line names this many of its new assignments (a cold start may make 40,000)
 PEER_PROBE_TIMEOUT = 1.0  # seconds a remembered DHT peer gets to take a TCP connection before start-up goes on
 
 
@@ -414,29 +420,64 @@ async def _lose_silent_nodes(session: AsyncSession, config: CoordinatorConfig, n
     return [node.id for node in silent]
 
 
+@functools.lru_cache(maxsize=PARSED_CACHE)
+def _resources(text: str) -> Resources:
+    return Resources.model_validate(json.loads(text))
+
+
+@functools.lru_cache(maxsize=PARSED_CACHE)
+def _spec(text: str) -> JobSpec:
+    return JobSpec.model_validate(json.loads(text))
+
+
+async def _node_rows(session: AsyncSession) -> list:
+    """Every online node as a plain row (no ORM objects to build, track and expire), with its JSON columns as text
+    for `_node_views` to decode off the event loop. Fetched in parts, so the loop runs between them."""
+    rows: list = []
+    result = await session.stream(select(
+        Node.id, cast(Node.resources, Text), Node.price_per_gpu_hour, Node.last_seen, Node.verified,
+        Node.measured_gflops, cast(Node.peer_rtt_ms, Text), Node.online_seconds, Node.registered_at,
+        Node.challenges_passed, Node.challenges_failed,
+    ).where(Node.online.is_(True), Node.revoked.is_(False)))
+    async for part in result.partitions(ROWS_PER_PART):
+        rows += part
+    return rows
+
+
+def _node_views(rows: list, history: dict[str, tuple[int, int, int]], in_use: dict[str, int],
+                now: float) -> list[NodeView]:
+    """The matcher's view of each of `_node_rows`. A node's resources are validated once per distinct JSON text
+    (`_resources`): they change only when it re-registers."""
+    scores = reputation.scores_of(rows, history, now)
+    return [NodeView(node_id, _resources(resources), price, last_seen, gpus_in_use=in_use.get(node_id, 0),
+                     verified=bool(verified), reputation=scores[node_id], throughput=gflops,
+                     rtt_ms=json.loads(rtt) if rtt else {})
+            for node_id, resources, price, last_seen, verified, gflops, rtt, *_ in rows]
+
+
+def _views_and_match(rows: list, history: dict[str, tuple[int, int, int]], in_use: dict[str, int],
+                     job_views: list[JobView], now: float, liveness: float) -> list[Match]:
+    return match(job_views, _node_views(rows, history, in_use, now), now, liveness=liveness)
+
+
 async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -> list:
-    open_jobs = (await session.scalars(
-        select(Job).where(Job.state.in_([JobState.PENDING.value, JobState.RUNNING.value])))).all()
+    open_jobs = (await session.execute(select(
+        Job.id, cast(Job.spec, Text).label("spec"), Job.state, Job.created_at, Job.owner_id,
+    ).where(Job.state.in_([JobState.PENDING.value, JobState.RUNNING.value])))).all()
     if not open_jobs:
         return []
-    active = (await session.scalars(
-        select(AssignmentRow).where(AssignmentRow.state == AssignmentState.ACTIVE.value))).all()
     in_use: dict[str, int] = {}
     members: dict[str, set[str]] = {}
     shards: dict[str, set[int]] = {}
-    for a in active:
-        in_use[a.node_id] = in_use.get(a.node_id, 0) + a.gpus
-        members.setdefault(a.job_id, set()).add(a.node_id)
-        shards.setdefault(a.job_id, set()).add(a.shard_index)
+    for node_id, job_id, gpus, shard in await session.execute(
+            select(AssignmentRow.node_id, AssignmentRow.job_id, AssignmentRow.gpus, AssignmentRow.shard_index)
+            .where(AssignmentRow.state == AssignmentState.ACTIVE.value)):
+        in_use[node_id] = in_use.get(node_id, 0) + gpus
+        members.setdefault(job_id, set()).add(node_id)
+        shards.setdefault(job_id, set()).add(shard)
     banned = await ledger.banned(session, [j.id for j in open_jobs])
-    nodes = (await session.scalars(select(Node).where(Node.online.is_(True), Node.revoked.is_(False)))).all()
-    record = await reputation.records(session, list(nodes), now)
-    node_views = [NodeView(n.id, Resources.model_validate(n.resources), n.price_per_gpu_hour, n.last_seen,
-                           gpus_in_use=in_use.get(n.id, 0), verified=bool(n.verified),
-                           reputation=reputation.score(record[n.id]), throughput=n.measured_gflops,
-                           rtt_ms=n.peer_rtt_ms or {}) for n in nodes]
-    specs = {j.id: JobSpec.model_validate(j.spec) for j in open_jobs}
-    balances: dict[str, int] = {}
+    specs = {j.id: _spec(j.spec) for j in open_jobs}
+    balances: dict[str, int] = {}  # each owner with a pending job; `reserve_budget` keeps it current
     for j in open_jobs:
         if j.state == JobState.PENDING.value and j.owner_id not in balances:
             balances[j.owner_id] = await ledger.balance(session, ledger.owner_account(j.owner_id))
@@ -445,24 +486,37 @@ async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -
                          funded=j.state != JobState.PENDING.value
                          or balances[j.owner_id] >= ledger.micro(specs[j.id].budget))
                  for j in open_jobs]
-    matches = match(job_views, node_views, now, liveness=config.node_timeout)
-    by_id = {j.id: j for j in open_jobs}
+    if not any(map(wants_nodes, job_views)):
+        return []  # every open job has its nodes, or cannot pay: the node views would go unread
+    rows, history = await _node_rows(session), await reputation.history(session)
+    # Seconds of pure Python at 100,000 nodes: in a thread, the event loop still gets the GIL every switch interval
+    # (5 ms) and answers what does not need this transaction's connection (all of it, on PostgreSQL) meanwhile.
+    # `match` turns the cyclic garbage collector off for the whole process while it runs.
+    matches = await asyncio.to_thread(_views_and_match, rows, history, in_use, job_views, now, config.node_timeout)
+    by_id: dict[str, Job] = {}  # the ORM rows of the matched jobs only: a tick that starts none loads none
+    for ids in in_chunks(dict.fromkeys(m.job_id for m in matches)):
+        by_id.update((j.id, j) for j in (await session.scalars(select(Job).where(Job.id.in_(ids)))).all())
     taken = []
     for m in matches:
         job = by_id[m.job_id]
         if jobs.allows(job, jobs.Event.START):
             # Several pending jobs of one owner may look funded alone; the reservation is the real check.
-            if not await ledger.reserve_budget(session, job, specs[job.id], now):
+            if not ledger.reserve_budget(session, job, specs[job.id], now, balances):
                 continue
             await jobs.apply(session, job, jobs.Event.START, now, f"running; budget {specs[job.id].budget} reserved")
-        session.add(AssignmentRow(job_id=m.job_id, node_id=m.node_id, state=AssignmentState.ACTIVE.value,
-                                  shard_index=m.shard_index, num_shards=m.num_shards, created_at=now, gpus=m.gpus,
-                                  price_per_gpu_hour=m.price_per_gpu_hour))
-        session.add(JobEvent(job_id=m.job_id, at=now, message=f"assigned node {m.node_id} (shard {m.shard_index}, "
-                             f"{m.gpus} GPU(s) at {m.price_per_gpu_hour}/GPU-hour)"))
         taken.append(m)
     if taken:
-        logger.info("matched %s", ", ".join(f"{m.node_id}->{m.job_id}" for m in taken))
+        # Bulk inserts (one executemany each): added as ORM objects, each row was a statement of its own on SQLite,
+        # which cannot return the ids of a multi-row INSERT in order.
+        await session.execute(insert(AssignmentRow), [
+            {"job_id": m.job_id, "node_id": m.node_id, "state": AssignmentState.ACTIVE.value,
+             "shard_index": m.shard_index, "num_shards": m.num_shards, "created_at": now, "gpus": m.gpus,
+             "price_per_gpu_hour": m.price_per_gpu_hour} for m in taken])
+        await session.execute(insert(JobEvent), [
+            {"job_id": m.job_id, "at": now, "message": f"assigned node {m.node_id} (shard {m.shard_index}, "
+             f"{m.gpus} GPU(s) at {m.price_per_gpu_hour}/GPU-hour)"} for m in taken])
+        shown = ", ".join(f"{m.node_id}->{m.job_id}" for m in taken[:LOGGED_MATCHES])
+        logger.info("matched %s%s", shown, f" and {len(taken) - LOGGED_MATCHES} more" * (len(taken) > LOGGED_MATCHES))
     return taken
 
 

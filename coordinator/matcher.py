@@ -311,16 +311,26 @@ def match(jobs: Iterable[JobView], nodes: Sequence[NodeView], now: float, *, liv
             gc.enable()
 
 
+def wants_nodes(job: JobView) -> bool:
+    """Whether `match` would look for nodes for this job at all: it is open, funded, and short of members."""
+    return job.state in OPEN_STATES and job.funded and _wanted(job)[1] > 0
+
+
+def _wanted(job: JobView) -> tuple[list[int], int]:
+    """The job's spare shards, and how many more nodes it can take."""
+    spec = job.spec
+    spare = [s for s in range(spec.max_nodes) if s not in job.active_shards]
+    return spare, min(spec.max_nodes - max(len(job.members), len(job.active_shards)), len(spare))
+
+
 def _match(jobs: Iterable[JobView], nodes: Sequence[NodeView], now: float, liveness: float) -> list[Match]:
     open_jobs = sorted((j for j in jobs if j.state in OPEN_STATES and j.funded), key=job_priority)
     wanting: list[tuple[JobView, list[int], int, int]] = []  # (job, spare shards, want, need), in priority order
     for job in open_jobs:
-        spec = job.spec
-        current = max(len(job.members), len(job.active_shards))
-        spare = [s for s in range(spec.max_nodes) if s not in job.active_shards]
-        want = min(spec.max_nodes - current, len(spare))
+        spare, want = _wanted(job)
         if want > 0:
-            need = max(spec.min_nodes - current, 1) if job.state == JobState.PENDING else 1
+            current = max(len(job.members), len(job.active_shards))
+            need = max(job.spec.min_nodes - current, 1) if job.state == JobState.PENDING else 1
             wanting.append((job, spare, want, need))
     if not wanting:
         return []

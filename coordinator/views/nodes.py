@@ -175,6 +175,5 @@ async def list_nodes(request: web.Request) -> web.Response:
         for node_id, job_id in await session.execute(select(AssignmentRow.node_id, AssignmentRow.job_id).where(
                 AssignmentRow.state == AssignmentState.ACTIVE.value)):
             jobs.setdefault(node_id, []).append(job_id)
-        records = await reputation.records(session, list(nodes), time.time())
-    return respond(api.NodeList, shapes.node_list_json(
-        nodes, request.app.get(ADVERTS, {}), jobs, {n.id: reputation.score(records[n.id]) for n in nodes}))
+        scores = await reputation.scores(session, nodes, time.time())
+    return respond(api.NodeList, shapes.node_list_json(nodes, request.app.get(ADVERTS, {}), jobs, scores))

@@ -65,5 +65,5 @@ async def adjust_credits(request: web.Request) -> web.Response:
         if amount > 0:
             await ledger.mint(session, account, amount, "adjust", now, memo=body.memo)
         else:
-            await ledger.transfer(session, account, ledger.MINT, -amount, "adjust", now, memo=body.memo)
+            ledger.transfer(session, account, ledger.MINT, -amount, "adjust", now, memo=body.memo)
         return respond(api.OwnerAccount, await _owner_json(session, owner))

@@ -18,6 +18,7 @@ from gpuswarm.coordinator.matcher import (
     meets_requirements,
     node_score,
     rtt_bonus,
+    wants_nodes,
 )
 from gpuswarm.proto.models import GPUInfo, JobSpec, JobState, Requirements, Resources
 from hypothesis import HealthCheck, given, settings
@@ -445,6 +446,15 @@ def test_property_no_node_is_over_committed(market):
         if n.id in taken:
             assert n.gpus_in_use + taken[n.id] <= n.capacity
     assert len({(m.job_id, m.node_id) for m in matches}) == len(matches)
+
+
+@PROPERTY
+@given(markets())
+def test_property_only_jobs_that_want_nodes_are_matched(market):
+    """`wants_nodes` is what lets the tick skip building node views: a job it says no to never gets a node."""
+    jobs, nodes = market
+    wanting = {j.id for j in jobs if wants_nodes(j)}
+    assert {m.job_id for m in run(jobs, nodes)} <= wanting
 
 
 @PROPERTY

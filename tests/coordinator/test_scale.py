@@ -1,7 +1,7 @@
 """The coordinator's queries over every online node or open job, on a market larger than one query can name.
 
 asyncpg refuses a query with more than 32,767 arguments: before `db.in_chunks`, a tick over 40,000 online nodes
-failed at its first `IN` list on PostgreSQL (reputation.records), every tick, so nothing was matched or settled
+failed at its first `IN` list on PostgreSQL (the reputation query), every tick, so nothing was matched or settled
 and silent nodes were never taken offline. Each test runs on both databases (`database_url`), with more nodes and
 jobs than that limit.
 """
@@ -51,14 +51,14 @@ async def sessions(tmp_path: Path, database_url: str | None):
     await engine.dispose()
 
 
-async def test_every_online_nodes_record_in_one_call(sessions):
+async def test_every_online_nodes_score_in_one_call(sessions):
     async with sessions() as session:
         nodes = (await session.scalars(select(Node))).all()
-        records = await reputation.records(session, list(nodes), time.time())
-    assert len(records) == MANY
-    last = records[f"n{MANY - 1:015d}"]
-    assert (last.completed, last.abandoned) == (1, 2)
-    assert records["n000000000000000"].completed == records["n000000000000000"].abandoned == 0
+        scores = await reputation.scores(session, nodes, nodes[0].registered_at + 100)
+    assert len(scores) == MANY
+    uptime = 0.2 * 0.5  # online 50 s of the 100 since registration; no challenges, no flagged claims
+    assert scores["n000000000000000"] == round(uptime + 0.3 * 0.5 + 0.3 * 0.5 + 0.2, 4)
+    assert scores[f"n{MANY - 1:015d}"] == round(uptime + 0.3 * (1 + 1) / (3 + 2) + 0.3 * 0.5 + 0.2, 4)
 
 
 async def test_bans_of_every_open_job_in_one_call(sessions):
