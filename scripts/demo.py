@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -133,11 +132,7 @@ def main() -> int:
 
 def mesh_unavailable() -> str | None:
     """Why the demo cannot run its nodes in namespaces over the mesh here, or None if it can."""
-    if os.geteuid() != 0:
-        return "not root"
-    if shutil.which("wireguard-go") is None:
-        return "wireguard-go is not installed"
-    return netlab.unavailable_reason()
+    return netlab.unavailable_reason(wireguard=True)
 
 
 def looks(swarm, job_id: str):

@@ -89,13 +89,17 @@ class Shaping:
         return []
 
 
-def unavailable_reason() -> str | None:
-    """Why a lab cannot be built here, or None."""
+def unavailable_reason(wireguard: bool = False) -> str | None:
+    """Why a lab cannot be built here, or None; with `wireguard`, also why it could not run a WireGuard mesh."""
     if os.geteuid() != 0:
         return "network namespaces need root"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"{tool} (iproute2) is not installed"
+    if wireguard and shutil.which("wireguard-go") is None:
+        return "wireguard-go is not installed (apt-get install wireguard-go)"
+    if wireguard and not os.path.exists("/dev/net/tun"):
+        return "/dev/net/tun is missing"
     return None
 
 

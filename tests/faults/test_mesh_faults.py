@@ -27,8 +27,8 @@ TARGET = 0.95
 SPEC = {"name": "fault", "workload": "digits-mlp", "min_nodes": 2, "max_nodes": 3, "budget": 5.0,
         "stop": {"target_accuracy": TARGET, "max_epochs": 60}, "training": {"mode": "sync"}}
 
-pytestmark = [pytestmark, pytest.mark.skipif(netlab.unavailable_reason() is not None,
-                                             reason=f"{netlab.unavailable_reason()}")]
+pytestmark = [pytestmark, pytest.mark.skipif(netlab.unavailable_reason(wireguard=True) is not None,
+                                             reason=f"{netlab.unavailable_reason(wireguard=True)}")]
 
 
 class Run:

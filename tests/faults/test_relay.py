@@ -18,7 +18,8 @@ import pytest
 from meshswarm import MeshSwarm, wait_for
 
 pytestmark = [pytest.mark.faults, pytest.mark.keep_processes,
-              pytest.mark.skipif(netlab.unavailable_reason() is not None, reason=f"{netlab.unavailable_reason()}")]
+              pytest.mark.skipif(netlab.unavailable_reason(wireguard=True) is not None,
+                                 reason=f"{netlab.unavailable_reason(wireguard=True)}")]
 NODES = (1, 2, 3)
 
 

@@ -8,8 +8,6 @@ second), and torn down even when a test or the set-up itself fails.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -26,23 +24,12 @@ MESH_CIDR = ipam.DEFAULT_CIDR
 BASE_PORT = 51820
 
 
-def _skip_reason(needs_wireguard: bool) -> str | None:
-    reason = netlab.unavailable_reason()
-    if reason:
-        return reason
-    if needs_wireguard and shutil.which("wireguard-go") is None:
-        return "wireguard-go is not installed (apt-get install wireguard-go)"
-    if needs_wireguard and not os.path.exists("/dev/net/tun"):
-        return "/dev/net/tun is missing"
-    return None
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if HERE not in Path(str(item.fspath)).resolve().parents:
             continue
         # Any fixture named after the mesh (mesh, mesh_swarm, mesh_lab) stands for real WireGuard.
-        reason = _skip_reason(needs_wireguard=any("mesh" in name for name in getattr(item, "fixturenames", ())))
+        reason = netlab.unavailable_reason(wireguard=any("mesh" in name for name in getattr(item, "fixturenames", ())))
         if reason:
             item.add_marker(pytest.mark.skip(reason=f"netns tests: {reason}"))
 
