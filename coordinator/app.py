@@ -451,7 +451,7 @@ def _node_views(rows: list, history: dict[str, tuple[int, int, int]], in_use: di
     scores = reputation.scores_of(rows, history, now)
     return [NodeView(node_id, _resources(resources), price, last_seen, gpus_in_use=in_use.get(node_id, 0),
                      verified=bool(verified), reputation=scores[node_id], throughput=gflops,
-                     rtt_ms=json.loads(rtt) if rtt else {})
+                     rtt_ms=(json.loads(rtt) if rtt else None) or {})
             for node_id, resources, price, last_seen, verified, gflops, rtt, *_ in rows]
 
 

@@ -101,3 +101,19 @@ async def test_a_node_is_matched_by_the_resources_it_registered_last(sessions, c
     await app.tick(sessions, config, now + 1)
     assert await _states(sessions) == {"j-000000000000": "running"}
     assert await _count(sessions, AssignmentRow, AssignmentRow.node_id == "n000000000000000") == 1
+
+
+async def test_a_node_whose_rtts_are_json_null_is_matched_like_one_without(sessions, config):
+    now = time.time()
+    spec = {"workload": "digits-mlp", "budget": 1.0, "min_nodes": 1, "max_nodes": 3}
+    await _fill(sessions, now, credits=10.0, jobs=[spec], nodes=3)
+    async with sessions.begin() as session:
+        # A running job with one member wants two more: the matcher reads every candidate's RTTs to that member.
+        await session.execute(update(Job).values(state="running", started_at=now))
+        session.add(AssignmentRow(job_id="j-000000000000", node_id="n000000000000000", state="active",
+                                  shard_index=0, num_shards=3, created_at=now, gpus=1))
+        await session.execute(update(Node).where(Node.id == "n000000000000001").values(peer_rtt_ms=None))  # 'null'
+        await session.execute(update(Node).where(Node.id == "n000000000000002")
+                              .values(peer_rtt_ms={"n000000000000000": 12.0}))
+    await app.tick(sessions, config, now)
+    assert await _count(sessions, AssignmentRow, AssignmentRow.state == "active") == 3
