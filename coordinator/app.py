@@ -460,6 +460,25 @@ def _views_and_match(rows: list, history: dict[str, tuple[int, int, int]], in_us
     return match(job_views, _node_views(rows, history, in_use, now), now, liveness=liveness)
 
 
+async def _still_open(session: AsyncSession, matches: list[Match]) -> dict[str, Job]:
+    """The ORM rows of the matched jobs that may still take their matches, read again (and locked, on PostgreSQL)
+    after the matcher's thread: other requests ran meanwhile. A job cancelled since, or one of whose new nodes went
+    offline or was revoked since, is left out with all its matches this tick (so a pending job never starts below
+    its min_nodes); its owner's balance is read again by the caller, so a withdrawal made meanwhile counts too."""
+    live: set[str] = set()
+    for ids in in_chunks(dict.fromkeys(m.node_id for m in matches)):
+        live.update((await session.scalars(select(Node.id).where(
+            Node.id.in_(ids), Node.online.is_(True), Node.revoked.is_(False)))).all())
+    gone = {m.job_id for m in matches if m.node_id not in live}
+    wanted = [job_id for job_id in dict.fromkeys(m.job_id for m in matches) if job_id not in gone]
+    by_id: dict[str, Job] = {}
+    for ids in in_chunks(wanted):
+        by_id.update((j.id, j) for j in (await session.scalars(
+            select(Job).where(Job.id.in_(ids), Job.state.in_([JobState.PENDING.value, JobState.RUNNING.value]))
+            .with_for_update().execution_options(populate_existing=True))).all())
+    return by_id
+
+
 async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -> list:
     open_jobs = (await session.execute(select(
         Job.id, cast(Job.spec, Text).label("spec"), Job.state, Job.created_at, Job.owner_id,
@@ -477,7 +496,7 @@ async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -
         shards.setdefault(job_id, set()).add(shard)
     banned = await ledger.banned(session, [j.id for j in open_jobs])
     specs = {j.id: _spec(j.spec) for j in open_jobs}
-    balances: dict[str, int] = {}  # each owner with a pending job; `reserve_budget` keeps it current
+    balances: dict[str, int] = {}  # each owner with a pending job (read again for `reserve_budget`)
     for j in open_jobs:
         if j.state == JobState.PENDING.value and j.owner_id not in balances:
             balances[j.owner_id] = await ledger.balance(session, ledger.owner_account(j.owner_id))
@@ -493,12 +512,13 @@ async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -
     # (5 ms) and answers what does not need this transaction's connection (all of it, on PostgreSQL) meanwhile.
     # `match` turns the cyclic garbage collector off for the whole process while it runs.
     matches = await asyncio.to_thread(_views_and_match, rows, history, in_use, job_views, now, config.node_timeout)
-    by_id: dict[str, Job] = {}  # the ORM rows of the matched jobs only: a tick that starts none loads none
-    for ids in in_chunks(dict.fromkeys(m.job_id for m in matches)):
-        by_id.update((j.id, j) for j in (await session.scalars(select(Job).where(Job.id.in_(ids)))).all())
+    by_id = await _still_open(session, matches)
+    for owner_id in {j.owner_id for j in by_id.values() if j.state == JobState.PENDING.value}:
+        balances[owner_id] = await ledger.balance(session, ledger.owner_account(owner_id))  # as of now
     taken = []
     for m in matches:
-        job = by_id[m.job_id]
+        if (job := by_id.get(m.job_id)) is None:
+            continue
         if jobs.allows(job, jobs.Event.START):
             # Several pending jobs of one owner may look funded alone; the reservation is the real check.
             if not ledger.reserve_budget(session, job, specs[job.id], now, balances):

@@ -7,11 +7,12 @@ their JSON text. These tests hold it to what the ledger and the matcher would de
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
 import pytest
-from gpuswarm.coordinator import app, ledger
+from gpuswarm.coordinator import app, jobs, ledger
 from gpuswarm.coordinator.config import CoordinatorConfig
 from gpuswarm.coordinator.db import AssignmentRow, Job, JobEvent, LedgerEntry, Node, Owner, make_engine, sessionmaker
 from gpuswarm.proto.models import Resources
@@ -117,3 +118,54 @@ async def test_a_node_whose_rtts_are_json_null_is_matched_like_one_without(sessi
                               .values(peer_rtt_ms={"n000000000000000": 12.0}))
     await app.tick(sessions, config, now)
     assert await _count(sessions, AssignmentRow, AssignmentRow.state == "active") == 3
+
+
+async def _while_matching(monkeypatch, change) -> None:
+    """Make `change` (a coroutine function taking a session) commit from the event loop while the tick's matcher runs
+    in its thread, as a request would. PostgreSQL only: on SQLite the tick holds the one connection throughout."""
+    loop = asyncio.get_running_loop()
+    matching = app._views_and_match
+
+    async def commit(sessions) -> None:
+        async with sessions.begin() as session:
+            await change(session)
+
+    def views_and_match(*args):
+        asyncio.run_coroutine_threadsafe(commit(_while_matching.sessions), loop).result(timeout=30)
+        return matching(*args)
+
+    monkeypatch.setattr(app, "_views_and_match", views_and_match)
+
+
+async def test_what_commits_while_the_matcher_runs_is_not_overwritten(tmp_path, postgres_url, config, monkeypatch):
+    from gpuswarm.coordinator.migrate import upgrade
+
+    engine = make_engine(postgres_url)
+    await upgrade(engine)
+    sessions = _while_matching.sessions = sessionmaker(engine)
+    now = time.time()
+    spec = {"workload": "digits-mlp", "budget": 10.0, "min_nodes": 2, "max_nodes": 2}
+    await _fill(sessions, now, credits=25.0, jobs=[spec] * 3, nodes=6)
+
+    async def cancel_revoke_and_withdraw(session) -> None:
+        cancelled = await session.get(Job, "j-000000000000")
+        await jobs.apply(session, cancelled, jobs.Event.CANCEL, now, "cancelled by its owner")
+        await session.execute(update(Node).where(Node.id == "n000000000000002").values(revoked=True, online=False))
+        ledger.transfer(session, ledger.owner_account("o-1"), ledger.MINT, ledger.micro(12.0), "adjust", now)
+
+    try:
+        await _while_matching(monkeypatch, cancel_revoke_and_withdraw)
+        await app.tick(sessions, config, now)
+        # The matcher saw 25 credits, three jobs and six nodes, and gave each job two. Meanwhile the first job was
+        # cancelled, a node one job was given was revoked (that job takes none this tick), and 12 credits went: the
+        # 13 left start exactly one of the other jobs.
+        states = await _states(sessions)
+        assert states["j-000000000000"] == "cancelled"
+        assert sorted(states.values()) == ["cancelled", "pending", "running"]
+        assert await _count(sessions, AssignmentRow, AssignmentRow.job_id == "j-000000000000") == 0
+        assert await _count(sessions, AssignmentRow, AssignmentRow.node_id == "n000000000000002") == 0
+        assert await _count(sessions, AssignmentRow) == 2
+        async with sessions() as session:
+            assert await ledger.balance(session, ledger.owner_account("o-1")) == ledger.micro(3.0)
+    finally:
+        await engine.dispose()
