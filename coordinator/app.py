@@ -1,21 +1,19 @@
 """Assembly of the coordinator's aiohttp application and its background work.
 
 Owns the configuration, the `cleanup_ctx` steps (database and blob store, heartbeat batcher, DHT bootstrap peer, the
-supervisor loop) and the loop itself, which does its work only while this process leads (`coordinator.leader`;
-a new leader, like a restarted coordinator, gives nodes a node timeout before it loses any): advancing the sweeps
-(`coordinator.sweeps`), marking silent nodes offline, losing their assignments, running the matcher, settling ended
-jobs, reading progress from the DHT,
-forgetting expired nonces, and every `blob_sweep_interval` the blob store's retention pass (`blobs.sweep`). Every
-coordinator reads the live adverts from the DHT and remembers the nodes' DHT addresses for its next start. Request
-handling lives in the `views` package; a job the matcher starts moves through `jobs.apply`. This module only wires
-things together.
+supervisor loop) and the loop itself, which does its work only while this process leads (`coordinator.leader`; a new
+leader, like a restarted coordinator, gives nodes a node timeout before it loses any): advancing the sweeps
+(`coordinator.sweeps`), marking silent nodes offline, losing their assignments, the matching step
+(`coordinator.matching`), settling ended jobs, reading progress from the DHT, forgetting expired nonces, and every
+`blob_sweep_interval` the blob store's retention pass (`blobs.sweep`). Every coordinator reads the live adverts from
+the DHT and remembers the nodes' DHT addresses for its next start. Request handling lives in the `views` package; a
+job the matching step starts moves through `jobs.apply`. This module only wires things together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -31,10 +29,9 @@ from gpuswarm.coordinator import (
     blobs,
     challenge,
     dashboard,
-    jobs,
     ledger,
+    matching,
     migrate,
-    reputation,
     sweeps,
     tasks,
     tensorboard,
@@ -71,13 +68,12 @@ from gpuswarm.coordinator.db import (
 from gpuswarm.coordinator.errors import error_middleware
 from gpuswarm.coordinator.heartbeats import HeartbeatBatcher
 from gpuswarm.coordinator.leader import Leadership
-from gpuswarm.coordinator.matcher import JobView, Match, NodeView, match, wants_nodes
 from gpuswarm.coordinator.mesh import MeshVersion, update_relays
 from gpuswarm.coordinator.metrics import CoordinatorMetrics, metrics_middleware, setup_metrics
 from gpuswarm.coordinator.store import BlobStore, LocalBlobStore
 from gpuswarm.mesh import ipam
-from gpuswarm.proto.models import AssignmentState, JobSpec, JobState, Resources
-from sqlalchemy import Text, cast, insert, or_, select
+from gpuswarm.proto.models import AssignmentState, JobState
+from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 logger = logging.getLogger(__name__)
@@ -85,11 +81,6 @@ DHT_TIMEOUT = 5.0
 # Seconds the DHT process gets to stop before it is killed. Its graceful stop was seen to take longer than hivemind's
 # default of 3 s, every time. The bootstrap peer has nothing to hand over, and it keeps its peers in dht-peers.json.
 DHT_STOP_TIMEOUT = 1.0
-# Distinct node resources (and, apart, job specs) whose validated models the tick keeps, each about 2 KB: nodes of one
-# hardware and settings share one text, so a swarm has far fewer than nodes; the bound holds memory to ~130 MB each.
-PARSED_CACHE = 1 << 16
-ROWS_PER_PART = 10_000  # online nodes fetched between two turns of the event loop
-LOGGED_MATCHES = 20  # a tick's log line names this many of its new assignments (a cold start may make 40,000)
 PEER_PROBE_TIMEOUT = 1.0  # seconds a remembered DHT peer gets to take a TCP connection before start-up goes on
 
 
@@ -394,7 +385,7 @@ async def tick(sessions: async_sessionmaker[AsyncSession], config: CoordinatorCo
     async with sessions.begin() as session:
         silent = await _lose_silent_nodes(session, config, now) if now - since > config.node_timeout else []
         started = time.perf_counter()
-        matched = await _match(session, config, now)
+        matched = await matching.assign(session, config, now)
         matching_seconds = time.perf_counter() - started
         await _settle_ended_jobs(session, config, now, store)
         await forget_expired_nonces(session, now)
@@ -418,126 +409,6 @@ async def _lose_silent_nodes(session: AsyncSession, config: CoordinatorConfig, n
                                  f"{now - node.last_seen:.0f}s); looking for a replacement"))
         logger.warning("node %s is offline; %d assignment(s) lost", node.id, len(lost))
     return [node.id for node in silent]
-
-
-@functools.lru_cache(maxsize=PARSED_CACHE)
-def _resources(text: str) -> Resources:
-    return Resources.model_validate(json.loads(text))
-
-
-@functools.lru_cache(maxsize=PARSED_CACHE)
-def _spec(text: str) -> JobSpec:
-    return JobSpec.model_validate(json.loads(text))
-
-
-async def _node_rows(session: AsyncSession) -> list:
-    """Every online node as a plain row (no ORM objects to build, track and expire), with its JSON columns as text
-    for `_node_views` to decode off the event loop. Fetched in parts, so the loop runs between them."""
-    rows: list = []
-    result = await session.stream(select(
-        Node.id, cast(Node.resources, Text), Node.price_per_gpu_hour, Node.last_seen, Node.verified,
-        Node.measured_gflops, cast(Node.peer_rtt_ms, Text), Node.online_seconds, Node.registered_at,
-        Node.challenges_passed, Node.challenges_failed,
-    ).where(Node.online.is_(True), Node.revoked.is_(False)))
-    async for part in result.partitions(ROWS_PER_PART):
-        rows += part
-    return rows
-
-
-def _node_views(rows: list, history: dict[str, tuple[int, int, int]], in_use: dict[str, int],
-                now: float) -> list[NodeView]:
-    """The matcher's view of each of `_node_rows`. A node's resources are validated once per distinct JSON text
-    (`_resources`): they change only when it re-registers."""
-    scores = reputation.scores_of(rows, history, now)
-    return [NodeView(node_id, _resources(resources), price, last_seen, gpus_in_use=in_use.get(node_id, 0),
-                     verified=bool(verified), reputation=scores[node_id], throughput=gflops,
-                     rtt_ms=(json.loads(rtt) if rtt else None) or {})
-            for node_id, resources, price, last_seen, verified, gflops, rtt, *_ in rows]
-
-
-def _views_and_match(rows: list, history: dict[str, tuple[int, int, int]], in_use: dict[str, int],
-                     job_views: list[JobView], now: float, liveness: float) -> list[Match]:
-    return match(job_views, _node_views(rows, history, in_use, now), now, liveness=liveness)
-
-
-async def _still_open(session: AsyncSession, matches: list[Match]) -> dict[str, Job]:
-    """The ORM rows of the matched jobs that may still take their matches, read again (and locked, on PostgreSQL)
-    after the matcher's thread: other requests ran meanwhile. A job cancelled since, or one of whose new nodes went
-    offline or was revoked since, is left out with all its matches this tick (so a pending job never starts below
-    its min_nodes); its owner's balance is read again by the caller, so a withdrawal made meanwhile counts too."""
-    live: set[str] = set()
-    for ids in in_chunks(dict.fromkeys(m.node_id for m in matches)):
-        live.update((await session.scalars(select(Node.id).where(
-            Node.id.in_(ids), Node.online.is_(True), Node.revoked.is_(False)))).all())
-    gone = {m.job_id for m in matches if m.node_id not in live}
-    wanted = [job_id for job_id in dict.fromkeys(m.job_id for m in matches) if job_id not in gone]
-    by_id: dict[str, Job] = {}
-    for ids in in_chunks(wanted):
-        by_id.update((j.id, j) for j in (await session.scalars(
-            select(Job).where(Job.id.in_(ids), Job.state.in_([JobState.PENDING.value, JobState.RUNNING.value]))
-            .with_for_update().execution_options(populate_existing=True))).all())
-    return by_id
-
-
-async def _match(session: AsyncSession, config: CoordinatorConfig, now: float) -> list:
-    open_jobs = (await session.execute(select(
-        Job.id, cast(Job.spec, Text).label("spec"), Job.state, Job.created_at, Job.owner_id,
-    ).where(Job.state.in_([JobState.PENDING.value, JobState.RUNNING.value])))).all()
-    if not open_jobs:
-        return []
-    in_use: dict[str, int] = {}
-    members: dict[str, set[str]] = {}
-    shards: dict[str, set[int]] = {}
-    for node_id, job_id, gpus, shard in await session.execute(
-            select(AssignmentRow.node_id, AssignmentRow.job_id, AssignmentRow.gpus, AssignmentRow.shard_index)
-            .where(AssignmentRow.state == AssignmentState.ACTIVE.value)):
-        in_use[node_id] = in_use.get(node_id, 0) + gpus
-        members.setdefault(job_id, set()).add(node_id)
-        shards.setdefault(job_id, set()).add(shard)
-    banned = await ledger.banned(session, [j.id for j in open_jobs])
-    specs = {j.id: _spec(j.spec) for j in open_jobs}
-    balances: dict[str, int] = {}  # each owner with a pending job (read again for `reserve_budget`)
-    for j in open_jobs:
-        if j.state == JobState.PENDING.value and j.owner_id not in balances:
-            balances[j.owner_id] = await ledger.balance(session, ledger.owner_account(j.owner_id))
-    job_views = [JobView(j.id, specs[j.id], JobState(j.state), j.created_at, members=frozenset(members.get(j.id, ())),
-                         active_shards=frozenset(shards.get(j.id, ())), excluded=frozenset(banned.get(j.id, ())),
-                         funded=j.state != JobState.PENDING.value
-                         or balances[j.owner_id] >= ledger.micro(specs[j.id].budget))
-                 for j in open_jobs]
-    if not any(map(wants_nodes, job_views)):
-        return []  # every open job has its nodes, or cannot pay: the node views would go unread
-    rows, history = await _node_rows(session), await reputation.history(session)
-    # Seconds of pure Python at 100,000 nodes: in a thread, the event loop still gets the GIL every switch interval
-    # (5 ms) and answers what does not need this transaction's connection (all of it, on PostgreSQL) meanwhile.
-    # `match` turns the cyclic garbage collector off for the whole process while it runs.
-    matches = await asyncio.to_thread(_views_and_match, rows, history, in_use, job_views, now, config.node_timeout)
-    by_id = await _still_open(session, matches)
-    for owner_id in {j.owner_id for j in by_id.values() if j.state == JobState.PENDING.value}:
-        balances[owner_id] = await ledger.balance(session, ledger.owner_account(owner_id))  # as of now
-    taken = []
-    for m in matches:
-        if (job := by_id.get(m.job_id)) is None:
-            continue
-        if jobs.allows(job, jobs.Event.START):
-            # Several pending jobs of one owner may look funded alone; the reservation is the real check.
-            if not ledger.reserve_budget(session, job, specs[job.id], now, balances):
-                continue
-            await jobs.apply(session, job, jobs.Event.START, now, f"running; budget {specs[job.id].budget} reserved")
-        taken.append(m)
-    if taken:
-        # Bulk inserts (one executemany each): added as ORM objects, each row was a statement of its own on SQLite,
-        # which cannot return the ids of a multi-row INSERT in order.
-        await session.execute(insert(AssignmentRow), [
-            {"job_id": m.job_id, "node_id": m.node_id, "state": AssignmentState.ACTIVE.value,
-             "shard_index": m.shard_index, "num_shards": m.num_shards, "created_at": now, "gpus": m.gpus,
-             "price_per_gpu_hour": m.price_per_gpu_hour} for m in taken])
-        await session.execute(insert(JobEvent), [
-            {"job_id": m.job_id, "at": now, "message": f"assigned node {m.node_id} (shard {m.shard_index}, "
-             f"{m.gpus} GPU(s) at {m.price_per_gpu_hour}/GPU-hour)"} for m in taken])
-        shown = ", ".join(f"{m.node_id}->{m.job_id}" for m in taken[:LOGGED_MATCHES])
-        logger.info("matched %s%s", shown, f" and {len(taken) - LOGGED_MATCHES} more" * (len(taken) > LOGGED_MATCHES))
-    return taken
 
 
 async def _settle_ended_jobs(session: AsyncSession, config: CoordinatorConfig, now: float,

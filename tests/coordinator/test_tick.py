@@ -1,4 +1,4 @@
-"""`app.tick`'s matching step against a real database (both, `database_url`): what the tick reads and writes.
+"""The tick's matching step (`coordinator.matching`) against a real database (both, `database_url`).
 
 The tick reads each pending job's owner balance once and keeps it current as it reserves budgets, writes the new
 assignments and their history lines in bulk, and keeps nodes' validated resources from one tick to the next by
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gpuswarm.coordinator import app, jobs, ledger
+from gpuswarm.coordinator import app, jobs, ledger, matching
 from gpuswarm.coordinator.config import CoordinatorConfig
 from gpuswarm.coordinator.db import AssignmentRow, Job, JobEvent, LedgerEntry, Node, Owner, make_engine, sessionmaker
 from gpuswarm.proto.models import Resources
@@ -120,21 +120,21 @@ async def test_a_node_whose_rtts_are_json_null_is_matched_like_one_without(sessi
     assert await _count(sessions, AssignmentRow, AssignmentRow.state == "active") == 3
 
 
-async def _while_matching(monkeypatch, change) -> None:
+def _while_matching(monkeypatch, sessions, change) -> None:
     """Make `change` (a coroutine function taking a session) commit from the event loop while the tick's matcher runs
     in its thread, as a request would. PostgreSQL only: on SQLite the tick holds the one connection throughout."""
     loop = asyncio.get_running_loop()
-    matching = app._views_and_match
+    views_and_match = matching._views_and_match
 
-    async def commit(sessions) -> None:
+    async def commit() -> None:
         async with sessions.begin() as session:
             await change(session)
 
-    def views_and_match(*args):
-        asyncio.run_coroutine_threadsafe(commit(_while_matching.sessions), loop).result(timeout=30)
-        return matching(*args)
+    def changed_meanwhile(*args):
+        asyncio.run_coroutine_threadsafe(commit(), loop).result(timeout=30)
+        return views_and_match(*args)
 
-    monkeypatch.setattr(app, "_views_and_match", views_and_match)
+    monkeypatch.setattr(matching, "_views_and_match", changed_meanwhile)
 
 
 async def test_what_commits_while_the_matcher_runs_is_not_overwritten(tmp_path, postgres_url, config, monkeypatch):
@@ -142,7 +142,7 @@ async def test_what_commits_while_the_matcher_runs_is_not_overwritten(tmp_path, 
 
     engine = make_engine(postgres_url)
     await upgrade(engine)
-    sessions = _while_matching.sessions = sessionmaker(engine)
+    sessions = sessionmaker(engine)
     now = time.time()
     spec = {"workload": "digits-mlp", "budget": 10.0, "min_nodes": 2, "max_nodes": 2}
     await _fill(sessions, now, credits=25.0, jobs=[spec] * 3, nodes=6)
@@ -154,7 +154,7 @@ async def test_what_commits_while_the_matcher_runs_is_not_overwritten(tmp_path, 
         ledger.transfer(session, ledger.owner_account("o-1"), ledger.MINT, ledger.micro(12.0), "adjust", now)
 
     try:
-        await _while_matching(monkeypatch, cancel_revoke_and_withdraw)
+        _while_matching(monkeypatch, sessions, cancel_revoke_and_withdraw)
         await app.tick(sessions, config, now)
         # The matcher saw 25 credits, three jobs and six nodes, and gave each job two. Meanwhile the first job was
         # cancelled, a node one job was given was revoked (that job takes none this tick), and 12 credits went: the
