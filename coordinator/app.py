@@ -1,13 +1,13 @@
 """Assembly of the coordinator's aiohttp application and its background work.
 
-Owns the configuration, the `cleanup_ctx` steps (database and blob store, heartbeat batcher, DHT bootstrap peer, the
-supervisor loop) and the loop itself, which does its work only while this process leads (`coordinator.leader`; a new
-leader, like a restarted coordinator, gives nodes a node timeout before it loses any): advancing the sweeps
-(`coordinator.sweeps`), marking silent nodes offline, losing their assignments, the matching step
+Owns the configuration, the `cleanup_ctx` steps (database and blob store, the signature checker's process, heartbeat
+batcher, DHT bootstrap peer, the supervisor loop) and the loop itself, which does its work only while this process leads
+(`coordinator.leader`; a new leader, like a restarted coordinator, gives nodes a node timeout before it loses any):
+advancing the sweeps (`coordinator.sweeps`), marking silent nodes offline, losing their assignments, the matching step
 (`coordinator.matching`), settling ended jobs, reading progress from the DHT, forgetting expired nonces, and every
-`blob_sweep_interval` the blob store's retention pass (`blobs.sweep`). Every coordinator reads the live adverts from
-the DHT and remembers the nodes' DHT addresses for its next start. Request handling lives in the `views` package; a
-job the matching step starts moves through `jobs.apply`. This module only wires things together.
+`blob_sweep_interval` the blob store's retention pass (`blobs.sweep`). Every coordinator reads the live adverts from the
+DHT and remembers the nodes' DHT addresses for its next start. Request handling lives in the `views` package; a job the
+matching step starts moves through `jobs.apply`. This module only wires things together.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from gpuswarm.coordinator.config import (
     METRICS,
     NODE_PEERS,
     SESSIONS,
+    SIGNATURES,
     WAKE,
     CoordinatorConfig,
 )
@@ -70,6 +71,7 @@ from gpuswarm.coordinator.heartbeats import HeartbeatBatcher
 from gpuswarm.coordinator.leader import Leadership
 from gpuswarm.coordinator.mesh import MeshVersion, update_relays
 from gpuswarm.coordinator.metrics import CoordinatorMetrics, metrics_middleware, setup_metrics
+from gpuswarm.coordinator.sigcheck import SignatureChecker
 from gpuswarm.coordinator.store import BlobStore, LocalBlobStore
 from gpuswarm.mesh import ipam
 from gpuswarm.proto.models import AssignmentState, JobState
@@ -253,6 +255,17 @@ async def _heartbeats(app: web.Application) -> AsyncIterator[None]:
     app[HEARTBEATS] = batcher
     yield
     await batcher.stop()
+
+
+async def _signatures(app: web.Application) -> AsyncIterator[None]:
+    if not app[CONFIG].signature_process:
+        yield
+        return
+    checker = SignatureChecker()
+    await checker.start()
+    app[SIGNATURES] = checker
+    yield
+    await checker.stop()
 
 
 async def _supervisor(app: web.Application) -> AsyncIterator[None]:
@@ -439,7 +452,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     app = web.Application(middlewares=[metrics_middleware, error_middleware],
                           client_max_size=config.max_artifact_bytes)
     app[CONFIG] = config
-    app.cleanup_ctx.extend([_database, _heartbeats, _dht, _supervisor])
+    app.cleanup_ctx.extend([_database, _signatures, _heartbeats, _dht, _supervisor])
     app.on_shutdown.append(_release_long_polls)
     setup_metrics(app)  # GET /metrics and the per-app registry
     views.setup_routes(app)

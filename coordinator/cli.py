@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -68,6 +69,10 @@ def serve(
                                                              "in the blob store.")] = 20.0,
     blob_retention: Annotated[float, typer.Option(min=0, help="Seconds a blob that no job or artifact references is "
                                                              "kept after its last use.")] = 24 * 3600.0,
+    signature_process: Annotated[bool | None, typer.Option(
+        "--signature-process/--no-signature-process",
+        help="Check nodes' signatures in a child process, on another core than the event loop's (default: where "
+             "there are 2+ CPUs).")] = None,
     log_level: LogLevel = "info",
     log_format: LogFormat = "text",
     event_loop: Annotated[EventLoop, typer.Option(help="auto: uvloop where installed, else asyncio's own.")] = "auto",
@@ -83,7 +88,9 @@ def serve(
                                node_timeout=node_timeout, mesh_cidr=mesh_cidr, settle_grace=settle_grace,
                                audit_rate=audit_rate, max_job_failures=max_job_failures,
                                owner_quota_bytes=int(owner_quota_gb * 1024**3), blob_retention=blob_retention,
-                               dht_initial_peers=list(dht_initial_peer or []), blob_store_dir=blob_dir)
+                               dht_initial_peers=list(dht_initial_peer or []), blob_store_dir=blob_dir,
+                               signature_process=(os.cpu_count() or 1) > 1 if signature_process is None
+                               else signature_process)
     try:
         app = create_app(config)
     except ValueError as e:  # IPAMError for a bad --mesh-cidr

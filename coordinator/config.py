@@ -41,6 +41,9 @@ class CoordinatorConfig:
     owner_quota_bytes: int = 20 * 1024**3
     blob_retention: float = 24 * 3600.0
     blob_sweep_interval: float = 60.0
+    # Check node signatures in a child process (coordinator/sigcheck.py): another core than the event loop's. Off
+    # in the dataclass, for apps built in-process (tests); `coordinator serve` turns it on where there are 2+ CPUs.
+    signature_process: bool = False
 
     @property
     def db_url(self) -> str:
@@ -71,6 +74,7 @@ DHT = web.AppKey("dht", object)  # the hivemind.DHT bootstrap peer, when started
 MESH_VERSION = web.AppKey("mesh_version", object)  # coordinator.mesh.MeshVersion
 ADMIN_TOKEN = web.AppKey("admin_token", str)
 HEARTBEATS = web.AppKey("heartbeats", object)  # coordinator.heartbeats.HeartbeatBatcher
+SIGNATURES = web.AppKey("signatures", object)  # coordinator.sigcheck.SignatureChecker, when config.signature_process
 BLOBS = web.AppKey("blobs", object)  # coordinator.store.BlobStore: where artifact and blob bytes live
 BLOB_LOCK = web.AppKey("blob_lock", asyncio.Lock)  # a blob's row and file change together: uploads vs retention
 LEADERSHIP = web.AppKey("leadership", object)  # coordinator.leader.Leadership: whether this process runs the tick

@@ -15,7 +15,6 @@ failures moves through `jobs.apply`, like every job state change.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable
@@ -58,70 +57,35 @@ class Outcome:
     membership_changed: bool = False  # a mesh node came or went: peer lists change
 
 
-@dataclass
-class _Pending:
-    message: NodeMessage[Heartbeat]
-    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
 class HeartbeatBatcher:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], config: CoordinatorConfig,
                  metrics: CoordinatorMetrics | None = None):
         self.sessions, self.config, self.metrics = sessions, config, metrics
-        self._queue: list[_Pending] = []
-        self._queued = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._batches: tasks.Batches[NodeMessage[Heartbeat], Outcome] = tasks.Batches(
+            self._apply, MAX_BATCH, "heartbeat-batcher")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="heartbeat-batcher")
+        self._batches.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            await tasks.stop(self._task)
-        for item in self._queue:
-            item.future.cancel()
+        await self._batches.stop()
 
     async def submit(self, message: NodeMessage[Heartbeat]) -> Outcome:
-        """Apply a heartbeat whose signature `auth.verify_signed` checked; raises its refusal (an ApiError)."""
-        item = _Pending(message)
-        self._queue.append(item)
-        self._queued.set()
-        return await item.future
+        """Apply a heartbeat whose signature `auth.read_signed` checked; raises its refusal (an ApiError)."""
+        return await self._batches.submit(message)
 
-    async def _run(self) -> None:
-        while True:
-            await self._queued.wait()
-            self._queued.clear()
-            while self._queue:
-                batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
-                await self._apply(batch)
-
-    async def _apply(self, batch: list[_Pending]) -> None:
-        results: list[Outcome | ApiError] = []
+    async def _apply(self, batch: list[NodeMessage[Heartbeat]]) -> list[Outcome | ApiError]:
         try:
             async with self.sessions.begin() as session:
-                results = await apply_heartbeats(session, [p.message for p in batch], self.config, time.time())
-        except asyncio.CancelledError:
-            for p in batch:
-                p.future.cancel()
-            raise
-        except Exception as e:  # the database failed: every heartbeat of the batch gets the error
+                results = await apply_heartbeats(session, batch, self.config, time.time())
+        except Exception:  # the database failed: every heartbeat of the batch gets the error
             logger.exception("applying %d heartbeat(s) failed", len(batch))
             if self.metrics is not None:
                 self.metrics.heartbeat_batch(len(batch), 0, failed=True)
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_exception(e)
-            return
+            raise
         if self.metrics is not None:
             self.metrics.heartbeat_batch(len(batch), sum(isinstance(r, ApiError) for r in results))
-        for p, result in zip(batch, results, strict=True):
-            if p.future.done():
-                continue
-            if isinstance(result, ApiError):
-                p.future.set_exception(result)
-            else:
-                p.future.set_result(result)
+        return results
 
 
 @dataclass(slots=True)

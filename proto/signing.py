@@ -8,6 +8,7 @@ against its own store (this module does no I/O), so replays are caught by whoeve
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import math
@@ -73,19 +74,44 @@ def sign(
     return SignedEnvelope(**unsigned, signature=base64.b64encode(signature).decode())
 
 
-def verify(envelope: SignedEnvelope, *, kind: str, now: float | None = None, max_skew: float = MAX_CLOCK_SKEW) -> str:
-    """Check signature, kind and freshness. Return the signer's node id. Raise SignatureError otherwise."""
+def unpack(envelope: SignedEnvelope, *, kind: str) -> tuple[bytes, bytes, bytes]:
+    """The first half of `verify`: the kind checked, and the raw public key, signature and signed bytes."""
     if envelope.kind != kind:
         raise SignatureError(f"expected a {kind!r} message, got {envelope.kind!r}")
-    try:
-        key = Ed25519PublicKey.from_public_bytes(base64.b64decode(envelope.public_key, validate=True))
-        key.verify(base64.b64decode(envelope.signature, validate=True), envelope.signed_bytes())
-    except (InvalidSignature, ValueError) as e:
+    try:  # ValueError: bad base64, or a NaN in the payload (canonical JSON has none, so nobody signed it)
+        return (base64.b64decode(envelope.public_key, validate=True),
+                base64.b64decode(envelope.signature, validate=True), envelope.signed_bytes())
+    except ValueError as e:
         raise SignatureError("bad signature") from e
+
+
+@functools.lru_cache(maxsize=4096)  # a node signs with one key for its lifetime; loading one costs a tenth of a check
+def _public_key(raw: bytes) -> Ed25519PublicKey:
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def valid(key: bytes, signature: bytes, message: bytes) -> bool:
+    """Whether `signature` is the Ed25519 signature of `message` by the raw public `key`."""
+    try:
+        _public_key(key).verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def fresh_signer(envelope: SignedEnvelope, *, now: float | None = None, max_skew: float = MAX_CLOCK_SKEW) -> str:
+    """The second half of `verify`, once the signature checked out: the timestamp is fresh. Returns the node id."""
     now = time.time() if now is None else now
     if not math.isfinite(envelope.timestamp) or abs(now - envelope.timestamp) > max_skew:
         raise SignatureError(f"stale timestamp: {now - envelope.timestamp:+.0f}s from the verifier's clock")
     return node_id_for(envelope.public_key)
+
+
+def verify(envelope: SignedEnvelope, *, kind: str, now: float | None = None, max_skew: float = MAX_CLOCK_SKEW) -> str:
+    """Check signature, kind and freshness. Return the signer's node id. Raise SignatureError otherwise."""
+    if not valid(*unpack(envelope, kind=kind)):
+        raise SignatureError("bad signature")
+    return fresh_signer(envelope, now=now, max_skew=max_skew)
 
 
 def verify_signer(envelope: SignedEnvelope, *, kind: str, node_id: str, now: float | None = None) -> None:

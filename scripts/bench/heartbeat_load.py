@@ -43,6 +43,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _flag(name: str, value: bool | None) -> list[str]:
+    return [] if value is None else [f"--{'' if value else 'no-'}{name}"]
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -189,12 +193,14 @@ main()
 
 
 def run(database_url: str | None, *, nodes: int = 200, seconds: float = 10.0, concurrency: int = 32,
-        event_loop: str = "auto", heartbeats_module: Path | None = None, coordinators: int = 1) -> dict:
+        event_loop: str = "auto", heartbeats_module: Path | None = None, coordinators: int = 1,
+        signature_process: bool | None = None) -> dict:
     """Start `coordinators` coordinators on `database_url` (None: SQLite in a temporary dir, which takes one
     only), load them, stop them.
 
-    `event_loop` is `coordinator serve --event-loop`; `heartbeats_module` a file that replaces
-    coordinator/heartbeats.py in the coordinators' processes (None: the installed one)."""
+    `event_loop` is `coordinator serve --event-loop`, `signature_process` its `--[no-]signature-process` (None: its
+    default); `heartbeats_module` a file that replaces coordinator/heartbeats.py in the coordinators' processes
+    (None: the installed one)."""
     if coordinators > 1 and not database_url:
         raise ValueError("several coordinators share a PostgreSQL database; SQLite takes one")
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -208,7 +214,8 @@ def run(database_url: str | None, *, nodes: int = 200, seconds: float = 10.0, co
             port, data = _free_port(), Path(tmp) / f"data{k}"
             log = stack.enter_context(open(Path(tmp) / f"coordinator{k}.log", "wb"))
             proc = subprocess.Popen([sys.executable, *launcher, "coordinator", "serve", "--port", str(port),
-                                     "--data-dir", str(data), "--log-level", "warning", "--event-loop", event_loop],
+                                     "--data-dir", str(data), "--log-level", "warning", "--event-loop", event_loop,
+                                     *_flag("signature-process", signature_process)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             stack.callback(_stop, proc)
             _wait_listening(proc, port, log.name)

@@ -46,3 +46,10 @@ def database_url(request: pytest.FixtureRequest) -> str | None:
     if request.param == "sqlite":
         return None
     return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def signature_process() -> bool:
+    """CoordinatorConfig.signature_process of test_api's app: node signatures checked in the event loop, unless a
+    test parametrizes it (test_api.BOTH_CHECKERS)."""
+    return False

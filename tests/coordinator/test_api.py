@@ -38,10 +38,14 @@ def data_dir(tmp_path: Path) -> Path:
     return tmp_path / "coordinator"
 
 
+# The signature tests run with CoordinatorConfig.signature_process both ways (conftest's fixture is False).
+BOTH_CHECKERS = pytest.mark.parametrize("signature_process", [False, True], ids=["in-loop", "child-process"])
+
+
 @pytest.fixture
-async def client(data_dir: Path, database_url: str | None):
+async def client(data_dir: Path, database_url: str | None, signature_process: bool):
     app = create_app(CoordinatorConfig(data_dir=data_dir, database_url=database_url, start_dht=False,
-                                       loop_interval=0.2))
+                                       loop_interval=0.2, signature_process=signature_process))
     async with TestServer(app) as server:
         token = await new_owner_token(server, app)
         async with TestClient(server, headers={"Authorization": f"Bearer {token}"}) as client:
@@ -213,6 +217,7 @@ async def test_register_returns_node_id_peers_and_heartbeat_interval(client: Tes
     assert nodes[0]["online"] is True and nodes[0]["state"] == "idle"
 
 
+@BOTH_CHECKERS
 async def test_heartbeat_and_poll_of_a_registered_node(client: TestClient):
     node = await register(client)
     response = await client.post("/v1/nodes/heartbeat",
@@ -502,6 +507,7 @@ async def test_deeply_nested_json_is_a_4xx(client: TestClient):
 # ---------------------------------------------------------------------------------------------------- signatures
 
 
+@BOTH_CHECKERS
 @pytest.mark.parametrize("field, value", [
     ("software_version", "evil-1.0"),
     ("price_per_gpu_hour", 99.0),
@@ -514,6 +520,7 @@ async def test_register_with_payload_tampered_after_signing_is_401(client: TestC
     await rejected(client, "POST", "/v1/nodes/register", 401, "bad_signature", json=envelope)
 
 
+@BOTH_CHECKERS
 @pytest.mark.parametrize("field", ["timestamp", "nonce", "kind", "signature"])
 async def test_heartbeat_with_envelope_tampered_after_signing_is_401(client: TestClient, field: str):
     node = await register(client)
@@ -524,6 +531,7 @@ async def test_heartbeat_with_envelope_tampered_after_signing_is_401(client: Tes
     await rejected(client, "POST", "/v1/nodes/heartbeat", 401, "bad_signature", json=envelope)
 
 
+@BOTH_CHECKERS
 async def test_heartbeat_payload_tampered_after_signing_is_401(client: TestClient):
     node = await register(client)
     envelope = signed(node, "heartbeat", {"node_id": node.node_id, "state": "idle"})
@@ -537,6 +545,7 @@ async def test_register_with_node_id_not_derived_from_the_key_is_401(client: Tes
     await rejected(client, "POST", "/v1/nodes/register", 401, "bad_signature", json=envelope)
 
 
+@BOTH_CHECKERS
 async def test_register_with_another_nodes_public_key_is_401(client: TestClient):
     """The envelope names the victim's public key but is signed with the attacker's private key."""
     victim, attacker = new_identity(), new_identity()
@@ -545,6 +554,7 @@ async def test_register_with_another_nodes_public_key_is_401(client: TestClient)
     await rejected(client, "POST", "/v1/nodes/register", 401, "bad_signature", json=envelope)
 
 
+@BOTH_CHECKERS
 async def test_heartbeat_signed_by_another_registered_node_is_401(client: TestClient):
     a, b = await register(client), await register(client)
     envelope = signed(a, "heartbeat", {"node_id": b.node_id, "state": "offline"})
@@ -558,6 +568,7 @@ async def test_poll_signed_by_another_registered_node_is_401(client: TestClient,
     await rejected(client, "POST", "/v1/nodes/assignments", 401, "bad_signature", json=envelope)
 
 
+@BOTH_CHECKERS
 @pytest.mark.parametrize("kind, path", [("poll", "/v1/nodes/heartbeat"), ("heartbeat", "/v1/nodes/assignments"),
                                         ("heartbeat", "/v1/nodes/register")])
 async def test_message_of_another_kind_is_401(client: TestClient, kind: str, path: str):
