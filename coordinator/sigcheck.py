@@ -6,9 +6,11 @@ coordinator's hot path (every node heart-beats every 2 s) and a check costs 60-1
 heartbeat; in a thread it would not help, because each check returns into a wait for the GIL (decision 0041).
 
 The child (`python -m gpuswarm.coordinator.sigcheck`) reads frames from stdin and answers on stdout, imports only
-`proto.signing`, holds nothing secret, and ends when its stdin closes (the coordinator stopped or died). If it dies,
-the checks it had are done in the event loop, and so is every check until a new child is up (at most one start
-every RESPAWN_INTERVAL seconds): an answer may come later, never wrong.
+`proto.signing`, holds nothing secret, and ends when its stdin closes (the coordinator stopped or died). It starts
+with `-P`, so nothing in the coordinator's working directory can stand in for its modules. If it dies, or does not
+answer a frame within ROUND_TRIP_TIMEOUT (it is then killed), the checks it had are done in the event loop, and so is
+every check until a new child is up (at most one start every RESPAWN_INTERVAL seconds): an answer may come later,
+never wrong. A message over MAX_MESSAGE (a GPU challenge's proof) is checked in the event loop, as before.
 
 Frames: a request is `!I` (byte length) and that many bytes of items, each `!I` (message length), the 32-byte
 public key, the 64-byte signature and the message; the answer is one byte per item, 1 for a valid signature.
@@ -30,6 +32,10 @@ from gpuswarm.proto.signing import valid
 logger = logging.getLogger(__name__)
 KEY_BYTES, SIGNATURE_BYTES = 32, 64
 MAX_BATCH = 512  # checks in one frame
+# A larger message (a GPU challenge's proof, up to 2 MiB) is checked in the event loop, as it always was: frames
+# stay small (at most MAX_BATCH x 64 KiB, the JSON cap), and a heartbeat never waits behind megabytes.
+MAX_MESSAGE = 64 * 1024
+ROUND_TRIP_TIMEOUT = 2.0  # a child that has not answered a frame by then is killed (a batch takes ~0.1 s)
 RESPAWN_INTERVAL = 5.0
 STOP_TIMEOUT = 2.0
 _LENGTH = struct.Struct("!I")
@@ -77,6 +83,8 @@ class SignatureChecker:
     async def check(self, key: bytes, signature: bytes, message: bytes) -> bool:
         if len(key) != KEY_BYTES or len(signature) != SIGNATURE_BYTES:
             return False
+        if len(message) > MAX_MESSAGE:
+            return valid(key, signature, message)
         return await self._batches.submit((key, signature, message))
 
     async def stop(self) -> None:
@@ -92,18 +100,23 @@ class SignatureChecker:
     async def _spawn(self) -> None:
         self._started_at = time.monotonic()
         try:
+            # -P: the working directory is not on the child's sys.path, so no module there (a `gpuswarm/` of an
+            # old checkout, a `struct.py`) can stand in for ours and answer "valid" to forged signatures.
             self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+                sys.executable, "-P", "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         except OSError:
             logger.exception("cannot start the signature checker's process; checking in the event loop")
             self._process = None
 
-    async def _end_child(self) -> None:
+    async def _end_child(self, kill: bool = False) -> None:
         process, self._process = self._process, None
         if process is None:
             return
         with contextlib.suppress(OSError):
             process.stdin.close()  # the child ends at end of input
+        if kill:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
         try:
             await asyncio.wait_for(process.wait(), STOP_TIMEOUT)
         except TimeoutError:
@@ -116,13 +129,16 @@ class SignatureChecker:
         if (process := self._process) is None:
             return None
         try:
-            process.stdin.write(encode(items))
-            await process.stdin.drain()
-            return await process.stdout.readexactly(len(items))
-        except (OSError, asyncio.IncompleteReadError):
-            logger.warning("the signature checker's process ended (exit code %s); checking in the event loop until "
-                           "a new one is up", process.returncode)
-            await self._end_child()
+            async with asyncio.timeout(ROUND_TRIP_TIMEOUT):
+                process.stdin.write(encode(items))
+                await process.stdin.drain()
+                return await process.stdout.readexactly(len(items))
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as e:
+            # Killed on a timeout: an answer it sent later would belong to the next frame.
+            await self._end_child(kill=isinstance(e, TimeoutError))
+            logger.warning("the signature checker's process %s (exit code %s); checking in the event loop until a "
+                           "new one is up", "did not answer" if isinstance(e, TimeoutError) else "ended",
+                           process.returncode)
             return None
 
 

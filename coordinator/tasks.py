@@ -48,6 +48,8 @@ class Batches(Generic[T, R]):
         self._task = asyncio.create_task(self._run(), name=self._name)
 
     async def submit(self, item: T) -> R:
+        if self._task is None or self._task.done():
+            raise RuntimeError(f"{self._name} is not running")
         future = asyncio.get_running_loop().create_future()
         self._queue.append((item, future))
         self._queued.set()

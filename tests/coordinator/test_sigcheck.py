@@ -91,3 +91,46 @@ async def test_the_app_starts_the_child_only_when_configured_and_ends_it(tmp_pat
             process = app[SIGNATURES]._process if apart else None
             assert process is None or process.returncode is None
         assert process is None or process.returncode == 0
+
+
+async def test_a_child_that_stops_answering_is_killed_and_costs_no_answer(checker: SignatureChecker, monkeypatch):
+    monkeypatch.setattr(sigcheck, "ROUND_TRIP_TIMEOUT", 0.5)
+    monkeypatch.setattr(sigcheck, "RESPAWN_INTERVAL", 3600.0)
+    stuck = checker._process
+    os.kill(stuck.pid, signal.SIGSTOP)
+    items = cases()
+    started = time.monotonic()
+    assert await asyncio.gather(*(checker.check(*item) for item, _ in items)) == [e for _, e in items]
+    assert time.monotonic() - started < 5
+    assert stuck.returncode == -signal.SIGKILL and checker._process is None
+
+
+async def test_large_messages_are_checked_too(checker: SignatureChecker):
+    key = Ed25519PrivateKey.generate()
+    message = b"p" * (sigcheck.MAX_MESSAGE + 1)
+    signature = key.sign(message)
+    assert await checker.check(raw(key), signature, message)
+    assert not await checker.check(raw(key), signature, message[:-1] + b"q")
+
+
+async def test_a_module_in_the_working_directory_cannot_answer_for_the_child(tmp_path, monkeypatch):
+    """A `gpuswarm` package where the coordinator was started (an old checkout) would shadow ours in `python -m`."""
+    fake = tmp_path / "gpuswarm" / "coordinator"
+    fake.mkdir(parents=True)
+    (tmp_path / "gpuswarm" / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "sigcheck.py").write_text(
+        "import sys\n"
+        "while header := sys.stdin.buffer.read(4):\n"
+        "    body = sys.stdin.buffer.read(int.from_bytes(header, 'big'))\n"
+        "    sys.stdout.buffer.write(b'\\x01' * 512)\n"
+        "    sys.stdout.buffer.flush()\n")
+    monkeypatch.chdir(tmp_path)
+    checker = SignatureChecker()
+    await checker.start()
+    try:
+        key = Ed25519PrivateKey.generate()
+        assert not await checker.check(raw(key), key.sign(b"genuine"), b"forged")
+        assert checker._process is not None and checker._process.returncode is None  # our child answered
+    finally:
+        await checker.stop()
