@@ -42,19 +42,21 @@ _LENGTH = struct.Struct("!I")
 
 
 def encode(items: list[tuple[bytes, bytes, bytes]]) -> bytes:
-    """One request frame. Every key and signature must have their sizes (`valid` answers the others itself)."""
+    """One request frame. Every key and signature must have their sizes (`check` refuses the others itself)."""
     body = b"".join(_LENGTH.pack(len(m)) + k + s + m for k, s, m in items)
     return _LENGTH.pack(len(body)) + body
 
 
 def answer(body: bytes) -> bytes:
     """The child's answer to one frame's items."""
-    out, at, item = bytearray(), 0, _LENGTH.size + KEY_BYTES + SIGNATURE_BYTES
+    out, at = bytearray(), 0
     while at < len(body):
         (length,) = _LENGTH.unpack_from(body, at)
-        key, signature = body[at + 4:at + 36], body[at + 36:at + item]
-        out.append(valid(key, signature, body[at + item:at + item + length]))
-        at += item + length
+        key = at + _LENGTH.size
+        signature = key + KEY_BYTES
+        message = signature + SIGNATURE_BYTES
+        out.append(valid(body[key:signature], body[signature:message], body[message:message + length]))
+        at = message + length
     return bytes(out)
 
 

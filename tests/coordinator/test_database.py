@@ -62,6 +62,19 @@ async def test_job_spec_with_a_nul_character_in_its_name_is_422(client: TestClie
     await rejected(client, "POST", "/v1/jobs", 422, "nul_character", json=job_spec(name="a\x00b"))
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32-le"])
+async def test_a_nul_character_in_a_utf16_or_utf32_body_is_422(client: TestClient, encoding: str):
+    """json.loads takes these encodings too, where the escape's bytes are not the UTF-8 text read_json looks for."""
+    body = json.dumps(job_spec(name="a\x00b")).encode(encoding)
+    await rejected(client, "POST", "/v1/jobs", 422, "nul_character", data=body,
+                   headers={"Content-Type": "application/json"})
+
+
+async def test_the_text_backslash_u0000_is_no_nul_character(client: TestClient):
+    response = await client.post("/v1/jobs", json=job_spec(name="a\\u0000b"))
+    assert response.status == 201, await response.text()
+
+
 async def test_failure_reason_with_a_nul_character_is_422(client: TestClient, assigned):
     node, job_id = assigned
     await rejected(client, "POST", "/v1/nodes/heartbeat", 422, "nul_character", json=signed(node, "heartbeat", {
