@@ -5,7 +5,7 @@ queued up meanwhile to the child as one frame and wakes each caller with its ans
 coordinator's hot path (every node heart-beats every 2 s) and a check costs 60-190 µs of CPU, about a third of a
 heartbeat; in a thread it would not help, because each check returns into a wait for the GIL (decision 0041).
 
-The child (`python -m gpuswarm.coordinator.sigcheck`) reads frames from stdin and answers on stdout, imports only
+The child (`python -P -m gpuswarm.coordinator.sigcheck`) reads frames from stdin and answers on stdout, imports only
 `proto.signing`, holds nothing secret, and ends when its stdin closes (the coordinator stopped or died). It starts
 with `-P`, so nothing in the coordinator's working directory can stand in for its modules. If it dies, or does not
 answer a frame within ROUND_TRIP_TIMEOUT (it is then killed), the checks it had are done in the event loop, and so is
