@@ -27,7 +27,7 @@ bounds, so that averaging costs about a quarter of the wall time whatever the li
 per round would waste less time on the network but learn less per sample (scripts/bench/scaling.py measured it:
 with a 10% share, rounds of 60 s made 2 nodes slower to the target than one). A job's only member averages
 nothing and takes the longest rounds (`lone_inner_steps`), its last one cut short where the line through its last
-two evaluations meets the stop rule's target (`steps_to_target`).
+two evaluations meets the stop rule's target (`steps_to_target`), and short ones from then on (`lone_round_steps`).
 """
 
 from __future__ import annotations
@@ -115,6 +115,19 @@ def steps_to_target(targets: Iterable[tuple[str, str, float]], before: Evaluatio
             if math.isfinite(estimate):  # a gain that is a subnormal float overflows to inf: no estimate
                 estimates.append(estimate)
     return math.ceil(min(estimates)) if estimates else None
+
+
+def lone_round_steps(full: int, estimate: int | None, near: bool, step_seconds: float) -> int:
+    """A lone member's next round after an evaluation: `full` (its `lone_inner_steps`), cut to the `estimate` of
+    `steps_to_target` when that is shorter. `near`: a round has been cut already, so the target is within about a
+    round; when the line then points nowhere (tinylm's val_bpb stalls for tens of steps just above its target), the
+    round takes MIN_ROUND_COMPUTE seconds of steps, not a whole one. Without that, a stall after a cut made the
+    member train a whole round past the target (scripts/bench/scaling.py: 54 steps, 26 s of a 175-s run)."""
+    if estimate is not None and estimate < full:
+        return max(estimate, MIN_INNER_STEPS)
+    if near and step_seconds > 0 and math.isfinite(step_seconds):
+        return min(full, _steps_for(MIN_ROUND_COMPUTE, step_seconds))
+    return full
 
 
 def _steps_for(compute: float, step_seconds: float) -> int:

@@ -304,12 +304,12 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
     from gpuswarm.node.evidence import RoundEvidence
     from gpuswarm.node.local_updates import (
         INNER_CHUNK_SECONDS,
-        MIN_INNER_STEPS,
         STATE_AVERAGING_EVERY,
         LocalUpdates,
         choose_inner_steps,
         first_round_estimate,
         group_pace,
+        lone_round_steps,
         next_inner_steps,
         steps_to_target,
     )
@@ -396,6 +396,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         inner_steps = choose_inner_steps(1.0, round_seconds, fixed_steps)
         last_whole: int | None = None  # the count chosen after the last round that held every member
         last_evaluation = None  # (samples, metrics) at this member's last evaluation
+        target_near = False  # a lone member's round was cut short by the line to the target (lone_round_steps)
 
         def round_target(count: int) -> int:
             """hivemind's sample target for a round: every member's share (members' own in mode "fedavg")."""
@@ -596,15 +597,17 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 return 0
             if local is not None and fixed_steps is None and count == 1:
                 # A lone member's next round ends no later than the line through its last two evaluations
-                # reaches the stop rule's target (steps_to_target).
+                # reaches the stop rule's target, and stays short once the target is that near (lone_round_steps).
                 evaluation = (samples_total, metrics)
-                cut = steps_to_target(spec.stop.metric_targets(), last_evaluation, evaluation, hello.batch_size)
+                estimate = steps_to_target(spec.stop.metric_targets(), last_evaluation, evaluation, hello.batch_size)
                 last_evaluation = evaluation
-                if cut is not None and cut < inner_steps:
-                    inner_steps = max(cut, MIN_INNER_STEPS)
+                full, inner_steps = inner_steps, lone_round_steps(inner_steps, estimate, target_near, step_seconds)
+                target_near = target_near or (estimate is not None and estimate < full)
+                if inner_steps < full:
                     optimizer.tracker.target_batch_size = round_target(count)
-                    logger.info("the stop rule's target is about %d inner steps away: the next round takes %d",
-                                cut, inner_steps)
+                    logger.info("the stop rule's target is %s: the next round takes %d inner steps",
+                                f"about {estimate} inner steps away" if estimate is not None and estimate < full
+                                else "near, and the metric stalled", inner_steps)
             if index == 0 and checkpoints.due(step):
                 link.request("save_state", "saved", f"saving the state of step {step}", version=shared.version,
                              name="state.pt")

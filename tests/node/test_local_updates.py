@@ -22,6 +22,7 @@ from gpuswarm.node.local_updates import (
     first_round_estimate,
     group_pace,
     lone_inner_steps,
+    lone_round_steps,
     next_inner_steps,
     steps_to_target,
 )
@@ -278,6 +279,20 @@ def test_steps_to_target_follows_the_line_through_the_last_two_evaluations():
     assert steps_to_target(targets, (0, {"loss": 4.0}), (320, {"loss": 3.95}), 32) is None
     assert steps_to_target(targets, (0, {"val_bpb": float("nan")}), (320, {"val_bpb": 3.95}), 32) is None
     assert steps_to_target(targets, (320, {"val_bpb": 4.0}), (320, {"val_bpb": 3.95}), 32) is None
+
+
+def test_a_lone_round_is_cut_to_the_line_and_stays_short_once_the_target_is_near():
+    short = MIN_ROUND_COMPUTE / 0.5  # steps in MIN_ROUND_COMPUTE seconds at 0.5 s a step
+    assert lone_round_steps(60, None, False, 0.5) == 60  # far from the target, no line: a whole round
+    assert lone_round_steps(60, 90, False, 0.5) == 60  # the line points beyond the round
+    assert lone_round_steps(60, 12, False, 0.5) == 12  # the line cuts it
+    assert lone_round_steps(60, 1, False, 0.5) == MIN_INNER_STEPS
+    # near (a round was cut) and the metric stalled: short rounds, never longer than a whole one
+    assert lone_round_steps(60, None, True, 0.5) == short
+    assert lone_round_steps(60, 90, True, 0.5) == short
+    assert lone_round_steps(60, 5, True, 0.5) == 5
+    assert lone_round_steps(8, None, True, 0.5) == 8
+    assert lone_round_steps(60, None, True, float("nan")) == 60  # no step time: the whole round
 
 
 @given(a=st.floats(-1e6, 1e6), b=st.floats(-1e6, 1e6), threshold=st.floats(-1e6, 1e6),
