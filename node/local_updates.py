@@ -120,14 +120,14 @@ def steps_to_target(targets: Iterable[tuple[str, str, float]], before: Evaluatio
 def lone_round_steps(full: int, estimate: int | None, near: bool, step_seconds: float) -> int:
     """A lone member's next round after an evaluation: `full` (its `lone_inner_steps`), cut to the `estimate` of
     `steps_to_target` when that is shorter. `near`: a round has been cut already, so the target is within about a
-    round; when the line then points nowhere (tinylm's val_bpb stalls for tens of steps just above its target), the
-    round takes MIN_ROUND_COMPUTE seconds of steps, not a whole one. Without that, a stall after a cut made the
-    member train a whole round past the target (scripts/bench/scaling.py: 54 steps, 26 s of a 175-s run)."""
-    if estimate is not None and estimate < full:
-        return max(estimate, MIN_INNER_STEPS)
+    round, and from then on no round is longer than MIN_ROUND_COMPUTE seconds of steps. Near the target the line is
+    unreliable: tinylm's val_bpb stalls for tens of steps just above it (no line, or one that points far again).
+    Without the bound, scripts/bench/scaling.py saw a member cut a round to 12 steps, then train a whole 54-step
+    round (26 s of a 175-s run) past the target; in another run, cut to 15, then follow a line to 45."""
+    steps = max(estimate, MIN_INNER_STEPS) if estimate is not None and estimate < full else full
     if near and step_seconds > 0 and math.isfinite(step_seconds):
-        return min(full, _steps_for(MIN_ROUND_COMPUTE, step_seconds))
-    return full
+        return min(steps, _steps_for(MIN_ROUND_COMPUTE, step_seconds))
+    return steps
 
 
 def _steps_for(compute: float, step_seconds: float) -> int:

@@ -287,9 +287,10 @@ def test_a_lone_round_is_cut_to_the_line_and_stays_short_once_the_target_is_near
     assert lone_round_steps(60, 90, False, 0.5) == 60  # the line points beyond the round
     assert lone_round_steps(60, 12, False, 0.5) == 12  # the line cuts it
     assert lone_round_steps(60, 1, False, 0.5) == MIN_INNER_STEPS
-    # near (a round was cut) and the metric stalled: short rounds, never longer than a whole one
+    # near (a round was cut): short rounds, whether the metric stalled (no line) or the line points far again
     assert lone_round_steps(60, None, True, 0.5) == short
     assert lone_round_steps(60, 90, True, 0.5) == short
+    assert lone_round_steps(60, 45, True, 0.5) == short
     assert lone_round_steps(60, 5, True, 0.5) == 5
     assert lone_round_steps(8, None, True, 0.5) == 8
     assert lone_round_steps(60, None, True, float("nan")) == 60  # no step time: the whole round
