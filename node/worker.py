@@ -607,7 +607,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                     optimizer.tracker.target_batch_size = round_target(count)
                     logger.info("the stop rule's target is %s: the next round takes %d inner steps",
                                 f"about {estimate} inner steps away" if estimate is not None and estimate < full
-                                else "near, and the metric stalled", inner_steps)
+                                else "near and no line reaches it within a round", inner_steps)
             if index == 0 and checkpoints.due(step):
                 link.request("save_state", "saved", f"saving the state of step {step}", version=shared.version,
                              name="state.pt")
