@@ -602,11 +602,12 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 estimate = steps_to_target(spec.stop.metric_targets(), last_evaluation, evaluation, hello.batch_size)
                 last_evaluation = evaluation
                 full, inner_steps = inner_steps, lone_round_steps(inner_steps, estimate, target_near, step_seconds)
-                target_near = target_near or (estimate is not None and estimate < full)
+                cut = estimate is not None and estimate < full  # the line reaches the target within the round
+                target_near = target_near or cut
                 if inner_steps < full:
                     optimizer.tracker.target_batch_size = round_target(count)
                     logger.info("the stop rule's target is %s: the next round takes %d inner steps",
-                                f"about {estimate} inner steps away" if estimate is not None and estimate < full
+                                f"about {estimate} inner steps away" if cut
                                 else "near and no line reaches it within a round", inner_steps)
             if index == 0 and checkpoints.due(step):
                 link.request("save_state", "saved", f"saving the state of step {step}", version=shared.version,
