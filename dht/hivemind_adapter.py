@@ -30,7 +30,8 @@ What is used, and why:
   member then spends the matchmaking time (seconds of CPU in its averager, DHT and p2pd) looking for a group that
   cannot exist; the subclass schedules ahead only while the tracker sees other peers.
 - `hivemind.Optimizer._make_gradient_averager` (`optimizer_class`): it drops the Optimizer's `averager_opts`; the
-  subclass passes them on, so the gradient averager gets the settings the state averager gets.
+  subclass passes them on, so the gradient averager gets the settings the state averager gets, and offers no
+  state for download (`Optimizer.load_state_from_peers` downloads it and throws it away).
 - `hivemind.averaging.key_manager.GroupKeyManager.get_averagers` (`throttle_matchmaking`): matchmaking re-reads
   its group key back to back while it sees no better leader than itself; the wrapper spaces the reads.
 - `DecentralizedAverager`'s keyword arguments (`averager_options`) and hivemind's compressions
@@ -241,7 +242,7 @@ def averager_compression(name: str):
 
 
 def optimizer_class():
-    """`hivemind.Optimizer`, with two differences.
+    """`hivemind.Optimizer`, with three differences.
 
     - `averager_opts` reach its gradient averager too. hivemind 1.1.12 documents them as "forwarded to both
       GradientAverager and TrainingStateAverager" but hands them to the state averager alone
@@ -253,7 +254,13 @@ def optimizer_class():
       run. hivemind schedules it whenever its estimate says the round is near, alone or not; a lone member then
       spent about 10 s of every few rounds matchmaking for nobody, at a third of its CPU (the averager, the DHT and
       p2pd; seen under a 0.4 CPU quota in `scripts/bench/run scaling`). A round with peers but no group scheduled
-      ahead still matchmakes when it starts, as hivemind does."""
+      ahead still matchmakes when it starts, as hivemind does.
+    - Its gradient averager offers no state for download. `Optimizer.load_state_from_peers` downloads the state
+      averager's state (parameters and optimizer statistics), then the gradient averager's (its accumulated
+      gradients, the parameters' size again), and discards the latter: DecentralizedAverager.load_state_from_peers
+      returns what it downloaded and GradientAverager applies nothing. Seen in the lab: 5.0 s of a 2-node tinylm
+      member's 12 s state load over the emulated WAN. With nobody offering it, the second download finds no peer
+      in the DHT and ends at once."""
     global _OPTIMIZER
     if _OPTIMIZER is None:
         import hivemind
@@ -264,7 +271,8 @@ def optimizer_class():
                 super().__init__(*args, averager_opts=averager_opts, **kwargs)
 
             def _make_gradient_averager(self, factory, **kwargs):
-                return super()._make_gradient_averager(factory, **{**self._gradient_averager_opts, **kwargs})
+                return super()._make_gradient_averager(
+                    factory, **{**self._gradient_averager_opts, **kwargs, "allow_state_sharing": False})
 
             def _maybe_schedule_gradient_averaging(self) -> None:
                 if self.tracker.global_progress.num_peers > 1:

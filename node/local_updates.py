@@ -44,6 +44,10 @@ MAX_INNER_STEPS = 1000
 # however cheap the averaging.
 MIN_ROUND_COMPUTE = 10.0
 MAX_ROUND_COMPUTE = 30.0  # seconds: more local steps than this learn less per sample; metrics at least this often
+# The most a round's compute may grow over the last one's (`group_pace`): one round slowed by a failure (an
+# all-reduce's timeout, a state download) must not set the next round's length; a link that is slow for good
+# reaches its rounds' length in a few rounds.
+MAX_ROUND_GROWTH = 1.5
 ASSUMED_MBIT = 50.0  # the link assumed before the first round is measured
 # Seconds of inner steps per request to the trainer. Between requests the worker checks the stop flag and the
 # job's wall-time limit, and tells hivemind's tracker how far it got (the swarm's round is due when the members'
@@ -167,18 +171,25 @@ def group_pace(claims: Iterable[Mapping[str, Any]]) -> tuple[float, float] | Non
     holds alike, so every member computes the same pace): the median member's seconds per step, and the least time
     any member spent outside its compute (the slowest member's share of its window: the round's averaging). None
     without a claim that took a step. One lying member moves the step time no further than an honest member's, and
-    can shorten the averaging it reads to none: rounds then take MIN_ROUND_COMPUTE of compute, no less."""
-    steps, idle = [], []
+    can shorten the averaging it reads to none: rounds then take MIN_ROUND_COMPUTE of compute, no less.
+
+    The averaging read is at most what makes the next round's compute MAX_ROUND_GROWTH times the median member's
+    in this one. A claim's window reaches back to the member's last claim, so after a failed round it holds that
+    round's timeout and any state download too: seen in the lab, 11.8 s of "averaging" after a failed 2-node round
+    (1-3 s before it) made the next round 85 inner steps instead of about 30, past the stop rule's target."""
+    steps, computes, idle = [], [], []
     for claim in claims:
         n, compute = claim.get("steps", 0), claim.get("compute_seconds", 0.0)
         window = claim.get("window_end", 0.0) - claim.get("window_start", 0.0)
         if isinstance(n, int) and n > 0 and all(isinstance(v, int | float) and math.isfinite(v)
                                                 for v in (compute, window)) and compute > 0:
             steps.append(compute / n)
+            computes.append(compute)
             idle.append(max(0.0, window - compute))
     if not steps:
         return None
-    return statistics.median(steps), min(idle)
+    most = MAX_ROUND_GROWTH * statistics.median(computes) * COMM_SHARE / (1 - COMM_SHARE)
+    return statistics.median(steps), min(min(idle), most)
 
 
 class LocalUpdates:

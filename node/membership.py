@@ -3,7 +3,8 @@ run's membership key and its place (hence its data shard) among the live members
 records through every peer's validators, and the waits that keep members in step: the rendezvous of `min_nodes`,
 hivemind's progress tracker seeing them, and a local-updates member holding after its share of a round. The record
 also carries the inner steps the member takes in its current round, so that a member that was not in the group's
-last round (it joined late, or its round failed) takes as many as the others (`agreed_steps`).
+last round (it joined late, or its round failed) takes as many as the others (`agreed_steps`), and tells a member
+whose round failed whether any other has reached its epoch (`level_with`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ class Membership:
         self.look()
         counts = collections.Counter(steps for e, steps in self._paces.values() if e == epoch)
         return max(counts, key=lambda steps: (counts[steps], steps)) if counts else None
+
+    def level_with(self, epoch: int) -> bool:
+        """Whether another member has published a round of `epoch` or later (looked up now): its state is as new as
+        this member's, so a download from it is not refused as behind."""
+        self.look()
+        return any(e >= epoch for e, _ in self._paces.values())
 
     def round_samples(self, share: int) -> int:
         """The samples of a round across the live members, as last seen: the shares they published (`share`, this

@@ -538,14 +538,21 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 # A round this node took alone is never audited (no peer attested it): no evidence to keep.
                 if group is None or not group.solo:
                     evidence.end(last_epoch, local.params, inner_state)
-                elif count > 1:
-                    # Alone while others train (it started late, or missed the group's round): the outer step
-                    # made this node's own inner parameters its anchor, which no later round would bring back to
-                    # the swarm's (their pseudo-gradients would differ, and be clipped as an outlier's). It takes
-                    # the swarm's state from a peer instead.
-                    logger.info("round of epoch %d was this node's alone while %d members train: loading the "
-                                "swarm's state from a peer", last_epoch, count)
-                    optimizer.load_state_from_peers()
+                if (group is None or group.solo) and count > 1:
+                    # Alone while others train (it started late, or its round failed: none is reported yet when
+                    # hivemind gave up waiting on it): the outer step made this node's own inner parameters its
+                    # anchor, which no later round would bring back to the swarm's (their pseudo-gradients would
+                    # differ, and be clipped as an outlier's). It takes the swarm's state from a peer that has
+                    # reached its epoch. While none has, hivemind would refuse the download as behind (seen in the
+                    # lab: 7 s spent for nothing, on the member whose all-reduce failed first); the others, whose
+                    # round failed with it, load this node's state when they get here.
+                    if membership.level_with(optimizer.local_epoch):
+                        logger.info("round of epoch %d was not averaged with the %d members: loading the swarm's "
+                                    "state from a peer", last_epoch, count)
+                        optimizer.load_state_from_peers()
+                    else:
+                        logger.info("round of epoch %d was not averaged with the %d members, and none has reached "
+                                    "epoch %d: keeping this node's state", last_epoch, count, optimizer.local_epoch)
                 local.restart()
                 round_start = True
                 # The pace of the group whose round just ended (its claims are for the epoch it ended), alike on

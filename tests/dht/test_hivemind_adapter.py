@@ -174,6 +174,34 @@ def test_run_key_suffixes_are_the_keys_a_real_optimizer_uses():
         dht.shutdown()
 
 
+def test_our_gradient_averager_offers_no_state_for_download():
+    """hivemind.Optimizer's own gradient averager declares its state under `<run>_grad_averager.all_averagers`
+    (seen above), and a member loading state downloads it after the parameters, only to discard it. Ours
+    declares the parameters' state alone, so that second download finds nobody."""
+    import torch
+
+    run = "gpuswarm_j_00000000a1a1"
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    opt = None
+    try:
+        params = [torch.nn.Parameter(torch.zeros(2))]
+        opt = adapter.optimizer_class()(dht=dht, run_id=run, target_batch_size=1, batch_size_per_step=1,
+                                        params=params, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                                        matchmaking_time=2.0, averaging_timeout=5.0, verbose=False)
+        deadline = time.monotonic() + 30
+        while dht.get(run + "_state_averager.all_averagers", latest=True) is None and time.monotonic() < deadline:
+            params[0].grad = torch.ones(2)
+            opt.step()
+            time.sleep(0.1)
+        assert dht.get(run + "_state_averager.all_averagers", latest=True) is not None
+        assert dht.get(run + "_grad_averager.all_averagers", latest=True) is None
+        assert opt.grad_averager.load_state_from_peers(timeout=5.0) is None
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        dht.shutdown()
+
+
 def _schedules_ahead(cls_name: str, run: str, target: int, seconds: float,
                      initial_peers: tuple[str, ...] = ()) -> tuple[bool, bool]:
     """Step an optimizer (`cls_name`: "hivemind" or "ours") on its own DHT at about 20 samples/s, rounds of `target`

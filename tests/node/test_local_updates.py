@@ -1,7 +1,8 @@
 """DiLoCo's inner loop (gpuswarm.node.local_updates) against a real hivemind.Optimizer: the pseudo-gradient that
 hivemind averages is exactly anchor − inner, whichever step ends the epoch and whatever the batch sizes; two real
 peers end a round with the same parameters, the outer step of their averaged deltas; and the round-size choice
-stays in its bounds, and every member of a group reads the same pace from the group's claims."""
+stays in its bounds, grows by at most half a round after a slow one, and every member of a group reads the same
+pace from the group's claims."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from gpuswarm.node.local_updates import (
     MAX_INNER_STEPS,
     MAX_ROUND_COMPUTE,
+    MAX_ROUND_GROWTH,
     MIN_INNER_STEPS,
     MIN_ROUND_COMPUTE,
     LocalUpdates,
@@ -253,14 +255,28 @@ def test_one_liar_moves_the_step_time_no_further_than_an_honest_members(honest, 
 
 
 def test_the_pace_of_a_group_and_what_it_ignores():
-    members = [{"steps": 100, "compute_seconds": 1.0, "window_start": 10.0, "window_end": 14.0},
-               {"steps": 50, "compute_seconds": 1.0, "window_start": 10.0, "window_end": 13.0},
-               {"steps": 10, "compute_seconds": 1.0, "window_start": 10.0, "window_end": 16.0}]
-    assert group_pace(members) == (0.02, 2.0)  # median seconds per step; the slowest member's idle time
+    members = [{"steps": 100, "compute_seconds": 10.0, "window_start": 10.0, "window_end": 24.0},
+               {"steps": 50, "compute_seconds": 10.0, "window_start": 10.0, "window_end": 23.0},
+               {"steps": 10, "compute_seconds": 10.0, "window_start": 10.0, "window_end": 26.0}]
+    assert group_pace(members) == (0.2, 3.0)  # median seconds per step; the slowest member's idle time
+    # A round slowed by a failure: the idle time read is at most what makes the next round 1.5 times as long.
+    slowed = [{**m, "window_end": m["window_end"] + 20.0} for m in members]
+    assert group_pace(slowed) == (0.2, MAX_ROUND_GROWTH * 10.0 / 3)
     assert group_pace([]) is None
     assert group_pace([{"steps": 0, "compute_seconds": 1.0, "window_start": 0.0, "window_end": 1.0},
                        {"steps": 5, "compute_seconds": float("nan"), "window_start": 0.0, "window_end": 1.0},
                        {"steps": "5", "compute_seconds": 1.0}]) is None
+
+
+@given(n=st.integers(1, 1000), computes=st.lists(st.floats(1e-3, 1e4), min_size=1, max_size=8),
+       idle=st.lists(st.floats(0, 1e5), min_size=8, max_size=8))
+def test_one_slow_round_makes_the_next_at_most_half_as_long_again(n, computes, idle):
+    # A whole round: every member took the same n steps, in its own compute time, and waited any time at all.
+    claims = [{"steps": n, "compute_seconds": c, "window_start": 0.0, "window_end": c + i}
+              for c, i in zip(computes, idle, strict=False)]
+    step, averaging = group_pace(claims)
+    least = choose_inner_steps(step, 0.0)  # MIN_ROUND_COMPUTE of steps, within the step bounds
+    assert choose_inner_steps(step, averaging) <= max(math.ceil(MAX_ROUND_GROWTH * n) + 1, least)
 
 
 def test_steps_to_target_follows_the_line_through_the_last_two_evaluations():

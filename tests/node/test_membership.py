@@ -1,6 +1,7 @@
 """A run's membership records over a real hivemind DHT (gpuswarm.node.membership): the inner steps a member
 publishes for a round reach a member that was not in the group's round, the most common count wins, and a record
-of the wrong shape (written by anyone) is read as no share and no pace, never as an error."""
+of the wrong shape (written by anyone) is read as no share and no pace, never as an error; a member whose round
+failed learns whether another has reached its epoch."""
 
 from __future__ import annotations
 
@@ -56,3 +57,15 @@ def test_records_of_the_wrong_shape_are_neither_shares_nor_paces(dht):
     found = me.members()
     assert found["node-fed"] == (640, (0, 25))
     assert all(found[name] == (None, None) for name in ("node-x", "node-y", "node-z", "node-w"))
+
+
+def test_a_member_whose_round_failed_sees_whether_another_reached_its_epoch(dht):
+    ahead, behind, me = members(dht, "node-ahead", "node-behind", "node-me")
+    behind.publish_pace(10, 30)
+    behind.refresh()
+    me.publish_pace(11, 30)  # its own record never counts
+    me.refresh()
+    assert not me.level_with(11)  # only a member still in the round of epoch 10
+    ahead.publish_pace(11, 45)
+    ahead.refresh()
+    assert me.level_with(11) and me.level_with(10) and not me.level_with(12)
