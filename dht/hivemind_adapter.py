@@ -28,7 +28,10 @@ What is used, and why:
 - `hivemind.Optimizer._maybe_schedule_gradient_averaging` and `_maybe_schedule_state_averaging` (`optimizer_class`):
   the Optimizer starts matchmaking ahead of a round it expects soon, even when no other peer is in the run. A lone
   member then spends the matchmaking time (seconds of CPU in its averager, DHT and p2pd) looking for a group that
-  cannot exist; the subclass schedules ahead only while the tracker sees other peers.
+  cannot exist; the subclass schedules ahead only while the tracker sees other peers, and gradient rounds never
+  when the worker asks it not to (local updates).
+- `hivemind.Optimizer._begin_averaging_gradients` (`optimizer_class`): it skips a round's averaging when the last
+  round's control is still in `scheduled_grads`; the subclass drops that control first.
 - `hivemind.Optimizer._make_gradient_averager` (`optimizer_class`): it drops the Optimizer's `averager_opts`; the
   subclass passes them on, so the gradient averager gets the settings the state averager gets, and offers no
   state for download (`Optimizer.load_state_from_peers` downloads it and throws it away).
@@ -242,7 +245,7 @@ def averager_compression(name: str):
 
 
 def optimizer_class():
-    """`hivemind.Optimizer`, with three differences.
+    """`hivemind.Optimizer`, with four differences.
 
     - `averager_opts` reach its gradient averager too. hivemind 1.1.12 documents them as "forwarded to both
       GradientAverager and TrainingStateAverager" but hands them to the state averager alone
@@ -260,14 +263,25 @@ def optimizer_class():
       gradients, the parameters' size again), and discards the latter: DecentralizedAverager.load_state_from_peers
       returns what it downloaded and GradientAverager applies nothing. Seen in the lab: 5.0 s of a 2-node tinylm
       member's 12 s state load over the emulated WAN. With nobody offering it, the second download finds no peer
-      in the DHT and ends at once."""
+      in the DHT and ends at once.
+    - `schedule_gradient_rounds=False` never schedules a gradient round ahead: each starts its matchmaking at the
+      step that triggers it. hivemind keeps the last round's control in `scheduled_grads` until it schedules the
+      next, and a round that finds a control already triggered there skips its averaging altogether ("Not using
+      pre-scheduled group ... already used elsewhere"): without scheduling ahead that was every other round (seen
+      in the lab: rounds 1, 3, 5, 7 of 2-node tinylm runs, each member alone). The subclass drops such a control
+      before the round begins. For local updates (mode "diloco"), whose members wait for each other's shares before
+      that step (`membership.wait_for_round`) and so join within about a second of each other: a round scheduled
+      ahead from hivemind's estimate of the round's end found its group early, and a member that then dropped or
+      replaced it left the group's leader with half the tensors (docs/decisions/0042)."""
     global _OPTIMIZER
     if _OPTIMIZER is None:
         import hivemind
 
         class Optimizer(hivemind.Optimizer):
-            def __init__(self, *args, averager_opts: dict | None = None, **kwargs):
+            def __init__(self, *args, averager_opts: dict | None = None, schedule_gradient_rounds: bool = True,
+                         **kwargs):
                 self._gradient_averager_opts = dict(averager_opts or {})
+                self._schedule_gradient_rounds = schedule_gradient_rounds
                 super().__init__(*args, averager_opts=averager_opts, **kwargs)
 
             def _make_gradient_averager(self, factory, **kwargs):
@@ -275,8 +289,13 @@ def optimizer_class():
                     factory, **{**self._gradient_averager_opts, **kwargs, "allow_state_sharing": False})
 
             def _maybe_schedule_gradient_averaging(self) -> None:
-                if self.tracker.global_progress.num_peers > 1:
+                if self._schedule_gradient_rounds and self.tracker.global_progress.num_peers > 1:
                     super()._maybe_schedule_gradient_averaging()
+
+            def _begin_averaging_gradients(self, grad_scaler) -> bool:
+                if self.scheduled_grads is not None and (self.scheduled_grads.triggered or self.scheduled_grads.done()):
+                    self.scheduled_grads = None  # the last round's, not one scheduled for this round
+                return super()._begin_averaging_gradients(grad_scaler)
 
             def _maybe_schedule_state_averaging(self) -> None:
                 if self.tracker.global_progress.num_peers > 1:

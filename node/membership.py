@@ -211,22 +211,10 @@ def wait_for_round(optimizer, stop: threading.Event, target: Callable[[], int] |
 
     hivemind's own trigger (`ready_to_update_epoch`) also fires at its estimate of the round's end, extrapolated
     from each peer's last reported rate: with inner steps in bursts of a few seconds that estimate ran ahead of the
-    members' real progress. So this waits for the samples themselves, and drops a matchmaking round that hivemind
-    scheduled early from that estimate while it still looks for a group: the step after the wait starts a fresh
-    one, with every member there. A round whose group is already assembled (stage AWAITING_TRIGGER) is kept, and
-    the step after the wait triggers it: the group's other members hold this member in their group, and dropping
-    it then left them with half the tensors ("Unable to run All-Reduce", after the chunk timeout) while this
-    member's fresh round found no group (seen in the lab: about one round in ten with two nodes; decision 0042)."""
-    from hivemind.averaging.control import AveragingStage
-
+    members' real progress. So this waits for the samples themselves, and the step after the wait starts the round's
+    matchmaking, with every member there (the worker's optimizer schedules no gradient round ahead with local
+    updates: hivemind_adapter.optimizer_class, decision 0042)."""
     tracker, deadline = optimizer.tracker, time.monotonic() + limit
-    scheduled = getattr(optimizer, "scheduled_grads", None)
-    if scheduled is not None and not scheduled.triggered:
-        if scheduled.done():
-            optimizer.scheduled_grads = None
-        elif scheduled.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
-            scheduled.cancel()
-            optimizer.scheduled_grads = None
     with adding_nothing(tracker), reading_often(tracker):
         while not stop.is_set() and time.monotonic() < deadline:
             if target is not None:

@@ -411,8 +411,10 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         throttle_matchmaking()
         if (factor := byzantine_fault()) is not None:
             poison_outgoing_parts(factor)
-        # hivemind.Optimizer that matchmakes ahead of a round only when it has peers (hivemind_adapter).
+        # hivemind.Optimizer that matchmakes ahead of a round only when it has peers, and with local updates never
+        # for gradients: their members join a round together, after wait_for_round (hivemind_adapter).
         optimizer = optimizer_class()(
+            schedule_gradient_rounds=local is None,
             dht=dht, run_id=a.run_id, target_batch_size=target,
             batch_size_per_step=hello.batch_size, params=[shared.flat], optimizer=outer.build,
             matchmaking_time=hello.matchmaking_time, averaging_timeout=hello.averaging_timeout,

@@ -204,25 +204,27 @@ def test_our_gradient_averager_offers_no_state_for_download():
 
 def _schedules_ahead(cls_name: str, run: str, target: int, seconds: float,
                      initial_peers: tuple[str, ...] = ()) -> tuple[bool, bool]:
-    """Step an optimizer (`cls_name`: "hivemind" or "ours") on its own DHT at about 20 samples/s, rounds of `target`
-    samples, for at most `seconds`. Returns (it scheduled matchmaking ahead of a round, its estimate of a round's
-    end fell within the matchmaking time), stopping at the first schedule."""
+    """Step an optimizer (`cls_name`: "hivemind", "ours", or "ours, local updates": ours asked never to schedule a
+    gradient round ahead) on its own DHT at about 20 samples/s, rounds of `target` samples, for at most `seconds`.
+    Returns (it scheduled matchmaking ahead of a round, its estimate of a round's end fell within the matchmaking
+    time), stopping at the first schedule."""
     import torch
     from hivemind.utils import get_dht_time
 
     cls = hivemind.Optimizer if cls_name == "hivemind" else adapter.optimizer_class()
+    ahead = {} if cls_name != "ours, local updates" else {"schedule_gradient_rounds": False}
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
     params = [torch.nn.Parameter(torch.zeros(2))]
     opt, near = None, False
     try:
         opt = cls(dht=dht, run_id=run, target_batch_size=target, batch_size_per_step=1, params=params,
                   optimizer=lambda q: torch.optim.SGD(q, lr=0.1), matchmaking_time=5.0, averaging_timeout=10.0,
-                  tracker_opts={"max_refresh_period": 0.5}, verbose=False)
+                  tracker_opts={"max_refresh_period": 0.5}, verbose=False, **ahead)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             params[0].grad = torch.ones(2)
             opt.step()
-            if opt.scheduled_grads is not None:
+            if opt.scheduled_grads is not None and not opt.scheduled_grads.triggered:  # not a round it runs now
                 return True, True
             near = near or opt.tracker.estimated_next_update_time - get_dht_time() <= 5.0
             time.sleep(0.05)
@@ -234,20 +236,22 @@ def _schedules_ahead(cls_name: str, run: str, target: int, seconds: float,
 
 
 @pytest.mark.timeout(240)
-def test_a_lone_optimizer_does_not_matchmake_ahead_and_one_with_peers_does():
+def test_a_lone_optimizer_does_not_matchmake_ahead_and_one_with_peers_does_unless_told_not_to():
     # hivemind's own Optimizer schedules a round ahead even alone, once its estimate of the round's end falls within
     # the matchmaking time: what the subclass is for.
     assert _schedules_ahead("hivemind", "gpuswarm_j_00000000b1b1", 100, 20) == (True, True)
     assert _schedules_ahead("ours", "gpuswarm_j_00000000b2b2", 100, 10) == (False, True)
-    # With a second peer in the run it schedules ahead, as hivemind does. The peer is another process: hivemind's
-    # progress records are keyed by a process-wide key, so two trackers in one process count as one peer.
+    # With a second peer in the run it schedules ahead, as hivemind does, unless asked not to (local updates). The
+    # peer is another process (hivemind's progress records are keyed by a process-wide key, so two trackers in one
+    # process count as one peer) that never schedules ahead, so it stays in the run throughout.
     host = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peers = tuple(str(m) for m in host.get_visible_maddrs())
     run = "gpuswarm_j_00000000b3b3"
-    other = subprocess.Popen([sys.executable, "-c", "import sys, test_hivemind_adapter as t; "
-                              "t._schedules_ahead('ours', sys.argv[1], 400, 60.0, tuple(sys.argv[2:]))", run, *peers],
+    other = subprocess.Popen([sys.executable, "-c", "import sys, test_hivemind_adapter as t; t._schedules_ahead("
+                              "'ours, local updates', sys.argv[1], 400, 90.0, tuple(sys.argv[2:]))", run, *peers],
                              cwd=Path(__file__).parent)
     try:
+        assert _schedules_ahead("ours, local updates", run, 400, 30.0, peers) == (False, True)
         assert _schedules_ahead("ours", run, 400, 60.0, peers)[0]
     finally:
         other.kill()
@@ -255,10 +259,11 @@ def test_a_lone_optimizer_does_not_matchmake_ahead_and_one_with_peers_does():
         host.shutdown()
 
 
-def _one_round(run: str, grad: float, initial_peers: tuple[str, ...] = ()) -> tuple[float, float]:
+def _one_round(run: str, grad: float, initial_peers: tuple[str, ...] = (), rounds: int = 1,
+               schedule_gradient_rounds: bool = True) -> tuple[float, float]:
     """Step our optimizer (a group of two at most, 30 s of matchmaking time) at about 20 samples/s, once the other
-    member is seen, until its first round is over. Returns (seconds from then to the round's end, the parameter
-    after it)."""
+    member is seen, until `rounds` rounds are over. Returns (seconds from then to the last round's end, the
+    parameter after it)."""
     import torch
 
     adapter.throttle_matchmaking()  # as the worker runs its rounds
@@ -270,13 +275,14 @@ def _one_round(run: str, grad: float, initial_peers: tuple[str, ...] = ()) -> tu
             dht=dht, run_id=run, target_batch_size=40, batch_size_per_step=1, params=params,
             optimizer=lambda q: torch.optim.SGD(q, lr=0.1), matchmaking_time=30.0, averaging_timeout=60.0,
             averager_opts={**adapter.averager_options(group_size=2), "request_timeout": 1.0},
-            tracker_opts={"max_refresh_period": 0.5}, verbose=False)
+            tracker_opts={"max_refresh_period": 0.5}, verbose=False,
+            schedule_gradient_rounds=schedule_gradient_rounds)
         params[0].grad = torch.full((1,), grad)
         opt.step()
         while opt.tracker.global_progress.num_peers < 2:  # as the worker waits (membership.wait_for_tracker)
             time.sleep(0.1)
         started = time.monotonic()
-        while opt.local_epoch == 0 and time.monotonic() - started < 90:
+        while opt.local_epoch < rounds and time.monotonic() - started < 90:
             params[0].grad = torch.full((1,), grad)
             opt.step()
             time.sleep(0.05)
@@ -309,6 +315,27 @@ def test_the_gradient_averager_gets_the_averager_options():
     # Averaged: between the two members' own steps (-0.1 and -0.3, whatever their shares of the samples).
     assert -0.3 + 1e-3 < value < -0.1 - 1e-3 and abs(value - other_value) < 1e-6, (value, other_value)
     assert seconds < 20 and other_seconds < 20, (seconds, other_seconds)  # not a speed check: the wait is 30 s
+
+
+@pytest.mark.timeout(240)
+def test_without_rounds_scheduled_ahead_every_round_is_averaged():
+    """hivemind skipped every other gradient round when none was scheduled ahead (the last round's control was still
+    in `scheduled_grads`): members that stay level through two rounds averaged both (after a round taken alone each
+    would have its own gradient's step: -0.1 against -0.3)."""
+    host = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = tuple(str(m) for m in host.get_visible_maddrs())
+    run = "gpuswarm_j_00000000c2c2"
+    other = subprocess.Popen([sys.executable, "-c", "import sys, test_hivemind_adapter as t; print(*t._one_round("
+                              "sys.argv[1], 3.0, tuple(sys.argv[2:]), 2, False))", run, *peers],
+                             cwd=Path(__file__).parent, stdout=subprocess.PIPE, text=True)
+    try:
+        _, value = _one_round(run, 1.0, peers, rounds=2, schedule_gradient_rounds=False)
+        _, other_value = map(float, other.communicate(timeout=150)[0].split())
+    finally:
+        other.kill()
+        other.wait()
+        host.shutdown()
+    assert -0.6 + 1e-3 < value < -0.2 - 1e-3 and abs(value - other_value) < 1e-6, (value, other_value)
 
 
 def test_8bit_codecs_decode_after_the_fix():

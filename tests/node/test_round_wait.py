@@ -1,10 +1,9 @@
 """`membership.wait_for_round`: a DiLoCo member that took its share of a round's steps holds until every live
 member's share is in (the round's target, re-read while it waits), the swarm's epoch moved on, training stops, or
-its limit passes; meanwhile it reports no rate to the swarm, and it drops a matchmaking round scheduled early that
-has no group yet. The optimizer is a stand-in with what the wait reads and writes, around hivemind's real
-`PerformanceEMA`: the real tracker is exercised end to end by tests/integration/test_local_swarm.py. How often a
-tracker reads the swarm's progress (`membership.reading_often`) is tested on hivemind's real `ProgressTracker` over
-a real DHT."""
+its limit passes; meanwhile it reports no rate to the swarm. The optimizer is a stand-in with what the wait reads
+and writes, around hivemind's real `PerformanceEMA`: the real tracker is exercised end to end by
+tests/integration/test_local_swarm.py. How often a tracker reads the swarm's progress (`membership.reading_often`)
+is tested on hivemind's real `ProgressTracker` over a real DHT."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from types import SimpleNamespace
 import hivemind
 import pytest
 from gpuswarm.node.membership import REFRESH_COMPUTING, REFRESH_WAITING, reading_often, wait_for_round
-from hivemind.averaging.control import AveragingStage
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.performance_ema import PerformanceEMA
 
@@ -34,19 +32,8 @@ class Tracker:
         self.reported.append((epoch, samples, self.performance_ema.samples_per_second))
 
 
-class Control:
-    def __init__(self, triggered: bool = False, stage: AveragingStage = AveragingStage.LOOKING_FOR_GROUP):
-        self.triggered, self.cancelled, self.stage = triggered, False, stage
-
-    def done(self) -> bool:
-        return self.cancelled
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-def optimizer(samples: int = 40, target: int = 120, global_epoch: int = 3, scheduled=None) -> SimpleNamespace:
-    return SimpleNamespace(tracker=Tracker(samples, target, global_epoch), local_epoch=3, scheduled_grads=scheduled)
+def optimizer(samples: int = 40, target: int = 120, global_epoch: int = 3) -> SimpleNamespace:
+    return SimpleNamespace(tracker=Tracker(samples, target, global_epoch), local_epoch=3)
 
 
 def waited(opt: SimpleNamespace, stop: threading.Event | None = None, limit: float = 10.0, change=None,
@@ -84,22 +71,6 @@ def test_while_it_waits_it_tells_the_swarm_it_adds_no_samples_and_then_goes_on_a
     [(epoch, samples, rate)] = opt.tracker.reported
     assert (epoch, samples) == (3, 40) and rate < 1e-10  # its share, and no more to come
     assert opt.tracker.performance_ema.samples_per_second == 500.0  # its next steps count at its own pace
-
-
-def test_a_round_scheduled_early_is_dropped_while_it_looks_for_a_group_and_kept_once_it_has_one():
-    early = Control()
-    opt = optimizer(samples=120, scheduled=early)
-    waited(opt)
-    assert early.cancelled and opt.scheduled_grads is None
-    # Its group is assembled: the other members count on it, and the step after the wait triggers it.
-    grouped = Control(stage=AveragingStage.AWAITING_TRIGGER)
-    opt = optimizer(samples=120, scheduled=grouped)
-    waited(opt)
-    assert not grouped.cancelled and opt.scheduled_grads is grouped
-    running = Control(triggered=True, stage=AveragingStage.RUNNING_ALLREDUCE)
-    opt = optimizer(samples=120, scheduled=running)
-    waited(opt)
-    assert not running.cancelled and opt.scheduled_grads is running
 
 
 def test_a_waiting_member_reads_the_swarms_progress_at_once_and_every_second_and_rarely_while_it_computes():
