@@ -75,7 +75,8 @@ def test_payload_naming_another_node_is_rejected(validator):
         decode_advert(value)
 
 
-@pytest.mark.parametrize("field, new", [("state", "offline"), ("expires_at", EXP + 3600), ("price_per_gpu_hour", 9.0)])
+@pytest.mark.parametrize("field, new", [("state", "offline"), ("expires_at", EXP + 3600), ("price_per_gpu_hour", 9.0)],
+                         ids=["state", "expires_at", "price"])  # stable ids: EXP is a time
 def test_tampered_payload_is_rejected(validator, field, new):
     a = identity()
     value = advert(a, expires_at=EXP)
