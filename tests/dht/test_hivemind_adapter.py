@@ -293,25 +293,29 @@ def _one_round(run: str, grad: float, initial_peers: tuple[str, ...] = (), round
         dht.shutdown()
 
 
-@pytest.mark.timeout(240)
-def test_the_gradient_averager_gets_the_averager_options():
-    """hivemind.Optimizer hands `averager_opts` to its state averager alone; ours hands them to the gradient
-    averager too. So a gradient round of a full group starts as soon as both members joined, not when the 30 s of
-    matchmaking time are out (with hivemind's own Optimizer this round takes more than 30 s). The second member is
-    another process: two progress trackers in one process count as one peer."""
+def _two_members(run: str, rounds: int = 1, schedule_gradient_rounds: bool = True) -> tuple[tuple, tuple]:
+    """`_one_round` in this process (gradient 1.0) and in another (gradient 3.0: two progress trackers in one
+    process count as one peer) on one run. Returns each member's (seconds, parameter)."""
     host = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peers = tuple(str(m) for m in host.get_visible_maddrs())
-    run = "gpuswarm_j_00000000c1c1"
-    other = subprocess.Popen([sys.executable, "-c", "import sys, test_hivemind_adapter as t; "
-                              "print(*t._one_round(sys.argv[1], 3.0, tuple(sys.argv[2:])))", run, *peers],
-                             cwd=Path(__file__).parent, stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-c", "import sys, test_hivemind_adapter as t; print(*t._one_round("
+                              f"sys.argv[1], 3.0, tuple(sys.argv[2:]), {rounds}, {schedule_gradient_rounds}))",
+                              run, *peers], cwd=Path(__file__).parent, stdout=subprocess.PIPE, text=True)
     try:
-        seconds, value = _one_round(run, 1.0, peers)
-        other_seconds, other_value = map(float, other.communicate(timeout=120)[0].split())
+        mine = _one_round(run, 1.0, peers, rounds, schedule_gradient_rounds)
+        return mine, tuple(map(float, other.communicate(timeout=150)[0].split()))
     finally:
         other.kill()
         other.wait()
         host.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_the_gradient_averager_gets_the_averager_options():
+    """hivemind.Optimizer hands `averager_opts` to its state averager alone; ours hands them to the gradient
+    averager too. So a gradient round of a full group starts as soon as both members joined, not when the 30 s of
+    matchmaking time are out (with hivemind's own Optimizer this round takes more than 30 s)."""
+    (seconds, value), (other_seconds, other_value) = _two_members("gpuswarm_j_00000000c1c1")
     # Averaged: between the two members' own steps (-0.1 and -0.3, whatever their shares of the samples).
     assert -0.3 + 1e-3 < value < -0.1 - 1e-3 and abs(value - other_value) < 1e-6, (value, other_value)
     assert seconds < 20 and other_seconds < 20, (seconds, other_seconds)  # not a speed check: the wait is 30 s
@@ -322,19 +326,7 @@ def test_without_rounds_scheduled_ahead_every_round_is_averaged():
     """hivemind skipped every other gradient round when none was scheduled ahead (the last round's control was still
     in `scheduled_grads`): members that stay level through two rounds averaged both (after a round taken alone each
     would have its own gradient's step: -0.1 against -0.3)."""
-    host = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    peers = tuple(str(m) for m in host.get_visible_maddrs())
-    run = "gpuswarm_j_00000000c2c2"
-    other = subprocess.Popen([sys.executable, "-c", "import sys, test_hivemind_adapter as t; print(*t._one_round("
-                              "sys.argv[1], 3.0, tuple(sys.argv[2:]), 2, False))", run, *peers],
-                             cwd=Path(__file__).parent, stdout=subprocess.PIPE, text=True)
-    try:
-        _, value = _one_round(run, 1.0, peers, rounds=2, schedule_gradient_rounds=False)
-        _, other_value = map(float, other.communicate(timeout=150)[0].split())
-    finally:
-        other.kill()
-        other.wait()
-        host.shutdown()
+    (_, value), (_, other_value) = _two_members("gpuswarm_j_00000000c2c2", rounds=2, schedule_gradient_rounds=False)
     assert -0.6 + 1e-3 < value < -0.2 - 1e-3 and abs(value - other_value) < 1e-6, (value, other_value)
 
 
