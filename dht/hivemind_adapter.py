@@ -245,7 +245,7 @@ def averager_compression(name: str):
 
 
 def optimizer_class():
-    """`hivemind.Optimizer`, with four differences.
+    """`hivemind.Optimizer`, with five differences.
 
     - `averager_opts` reach its gradient averager too. hivemind 1.1.12 documents them as "forwarded to both
       GradientAverager and TrainingStateAverager" but hands them to the state averager alone
@@ -265,14 +265,15 @@ def optimizer_class():
       member's 12 s state load over the emulated WAN. With nobody offering it, the second download finds no peer
       in the DHT and ends at once.
     - `schedule_gradient_rounds=False` never schedules a gradient round ahead: each starts its matchmaking at the
-      step that triggers it. hivemind keeps the last round's control in `scheduled_grads` until it schedules the
-      next, and a round that finds a control already triggered there skips its averaging altogether ("Not using
-      pre-scheduled group ... already used elsewhere"): without scheduling ahead that was every other round (seen
-      in the lab: rounds 1, 3, 5, 7 of 2-node tinylm runs, each member alone). The subclass drops such a control
-      before the round begins. For local updates (mode "diloco"), whose members wait for each other's shares before
-      that step (`membership.wait_for_round`) and so join within about a second of each other: a round scheduled
-      ahead from hivemind's estimate of the round's end found its group early, and a member that then dropped or
-      replaced it left the group's leader with half the tensors (docs/decisions/0042)."""
+      step that triggers it. The worker asks for this with local updates: their members wait for each other's shares
+      before that step (`membership.wait_for_round`), so they join within about a second of each other, and a round
+      scheduled ahead from hivemind's estimate of the round's end found its group early; a member that then dropped
+      or replaced it left the group's leader with half the tensors (docs/decisions/0042).
+    - A round never finds the last round's control in its place. hivemind keeps that control in `scheduled_grads`
+      until it schedules the next, and a round that finds a control already triggered or finished there skips its
+      averaging altogether ("Not using pre-scheduled group ... already used elsewhere"): without scheduling ahead
+      that was every other round (seen in the lab: rounds 1, 3, 5, 7 of 2-node tinylm runs, each member alone).
+      The subclass drops such a control before the round begins."""
     global _OPTIMIZER
     if _OPTIMIZER is None:
         import hivemind
