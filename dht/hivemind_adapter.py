@@ -32,6 +32,9 @@ What is used, and why:
   when the worker asks it not to (local updates).
 - `hivemind.Optimizer._begin_averaging_gradients` (`optimizer_class`): it skips a round's averaging when the last
   round's control is still in `scheduled_grads`; the subclass drops that control first.
+- `Optimizer.scheduled_grads`, `StepControl.stage` and `.scheduled_time`, and the tracker's
+  `global_progress.eta_next_epoch` (`optimizer_class`: `schedule_round_now`, `full_group_waiting`,
+  `drop_round_looking`): a local-updates round is scheduled by the worker, and begun as soon as its group is full.
 - `hivemind.Optimizer._make_gradient_averager` (`optimizer_class`): it drops the Optimizer's `averager_opts`; the
   subclass passes them on, so the gradient averager gets the settings the state averager gets, and offers no
   state for download (`Optimizer.load_state_from_peers` downloads it and throws it away).
@@ -245,7 +248,7 @@ def averager_compression(name: str):
 
 
 def optimizer_class():
-    """`hivemind.Optimizer`, with five differences.
+    """`hivemind.Optimizer`, with six differences.
 
     - `averager_opts` reach its gradient averager too. hivemind 1.1.12 documents them as "forwarded to both
       GradientAverager and TrainingStateAverager" but hands them to the state averager alone
@@ -264,16 +267,21 @@ def optimizer_class():
       returns what it downloaded and GradientAverager applies nothing. Seen in the lab: 5.0 s of a 2-node tinylm
       member's 12 s state load over the emulated WAN. With nobody offering it, the second download finds no peer
       in the DHT and ends at once.
-    - `schedule_gradient_rounds=False` never schedules a gradient round ahead: each starts its matchmaking at the
-      step that triggers it. The worker asks for this with local updates: their members wait for each other's shares
-      before that step (`membership.wait_for_round`), so they join within about a second of each other, and a round
-      scheduled ahead from hivemind's estimate of the round's end found its group early; a member that then dropped
-      or replaced it left the group's leader with half the tensors (docs/decisions/0042).
+    - `schedule_gradient_rounds=False` never schedules a gradient round ahead from hivemind's estimate: each starts
+      its matchmaking at the step that triggers it, unless the caller scheduled it (`schedule_round_now` below).
+      The worker asks for this with local updates: a round scheduled from hivemind's estimate of the round's end
+      found its group early; a member that then dropped or replaced it left the group's leader with half the
+      tensors (docs/decisions/0042).
     - A round never finds the last round's control in its place. hivemind keeps that control in `scheduled_grads`
       until it schedules the next, and a round that finds a control already triggered or finished there skips its
       averaging altogether ("Not using pre-scheduled group ... already used elsewhere"): without scheduling ahead
       that was every other round (seen in the lab: rounds 1, 3, 5, 7 of 2-node tinylm runs, each member alone).
-      The subclass drops such a control before the round begins."""
+      The subclass drops such a control before the round begins.
+    - `schedule_round_now(within)` begins a gradient round's matchmaking when the caller says so, with a declared
+      expiration `within` seconds away: a local-updates member calls it when its share of a round is done, so the
+      group assembles while the last members compute (a leader starts as soon as its group is full), and the step
+      that ends the round triggers the all-reduce at once. Members that call it later declare later expirations,
+      so they join the first one's group (hivemind's leaders accept followers that expire after them)."""
     global _OPTIMIZER
     if _OPTIMIZER is None:
         import hivemind
@@ -301,6 +309,48 @@ def optimizer_class():
             def _maybe_schedule_state_averaging(self) -> None:
                 if self.tracker.global_progress.num_peers > 1:
                     super()._maybe_schedule_state_averaging()
+
+            def schedule_round_now(self, within: float):
+                """Begin the next gradient round's matchmaking now, declaring that its all-reduce starts at the
+                latest in `within` seconds; the step that ends the round triggers it. Does nothing while a round is
+                scheduled and not yet triggered. The control, or None when none was scheduled."""
+                from hivemind.utils import get_dht_time
+
+                control = self.scheduled_grads
+                if control is not None and not (control.triggered or control.done()):
+                    return None
+                self.scheduled_grads = self.grad_averager.schedule_step(
+                    scheduled_time=get_dht_time() + within, timeout=within + self.averaging_timeout)
+                return self.scheduled_grads
+
+            def drop_round_looking(self) -> bool:
+                """Cancel the round scheduled by `schedule_round_now` while it still looks for its group: a member
+                left, so the group cannot fill before the time it declared (up to ROUND_WAIT away). The step that
+                begins the round then matchmakes afresh, as without scheduling. Whether one was cancelled."""
+                from hivemind.averaging.control import AveragingStage
+
+                control = self.scheduled_grads
+                if control is None or control.triggered or control.done() \
+                        or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                    return False
+                control.cancel()
+                self.scheduled_grads = None
+                return True
+
+            def full_group_waiting(self) -> bool:
+                """Whether the round scheduled by `schedule_round_now` has its group, assembled before the time it
+                declared: a leader starts that early only with a full group, and every member schedules only once
+                its share is done, so the round is due. The tracker is then told so, and the next step begins the
+                round without waiting to read the swarm's samples from the DHT."""
+                from hivemind.averaging.control import AveragingStage
+                from hivemind.utils import get_dht_time
+
+                control, now = self.scheduled_grads, get_dht_time()
+                if control is None or control.triggered or control.done() \
+                        or control.stage != AveragingStage.AWAITING_TRIGGER or now >= control.scheduled_time - 1.0:
+                    return False
+                self.tracker.global_progress.eta_next_epoch = now
+                return True
 
         _OPTIMIZER = Optimizer
     return _OPTIMIZER

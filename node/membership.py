@@ -211,16 +211,17 @@ def wait_for_round(optimizer, stop: threading.Event, target: Callable[[], int] |
 
     hivemind's own trigger (`ready_to_update_epoch`) also fires at its estimate of the round's end, extrapolated
     from each peer's last reported rate: with inner steps in bursts of a few seconds that estimate ran ahead of the
-    members' real progress. So this waits for the samples themselves, and the step after the wait starts the round's
-    matchmaking, with every member there (the worker's optimizer schedules no gradient round ahead with local
-    updates: hivemind_adapter.optimizer_class, decision 0042)."""
+    members' real progress. So this waits for the samples themselves, or for what says they are in sooner: the round
+    this member scheduled when its share was done found its whole group (`optimizer.full_group_waiting()`: every
+    member schedules only then; hivemind_adapter.optimizer_class, decision 0042). The step after the wait begins the
+    round."""
     tracker, deadline = optimizer.tracker, time.monotonic() + limit
     with adding_nothing(tracker), reading_often(tracker):
         while not stop.is_set() and time.monotonic() < deadline:
             if target is not None:
                 tracker.target_batch_size = target()
             if tracker.global_progress.samples_accumulated >= tracker.target_batch_size \
-                    or tracker.global_epoch > optimizer.local_epoch:
+                    or tracker.global_epoch > optimizer.local_epoch or optimizer.full_group_waiting():
                 return
             time.sleep(0.05)
 

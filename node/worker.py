@@ -58,6 +58,7 @@ from gpuswarm.node.faults import byzantine_fault, claim_inflation, lazy_fault, p
 from gpuswarm.node.membership import (
     REFRESH_COMPUTING,
     REFRESH_WAITING,
+    ROUND_WAIT,
     Membership,
     RecordProofs,
     wait_for_round,
@@ -515,6 +516,12 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
             if local is not None:
                 local.advance(done_step.samples)
                 evidence.record(steps_taken, done_step.samples, done_step.position.model_dump())
+                if not first_step and 1 < count >= spec.max_nodes \
+                        and round_samples + done_step.samples >= inner_steps * hello.batch_size:
+                    # This member's share of the round is done: its group assembles while the others finish
+                    # theirs, and once it is full the round is due (wait_for_round). Only in a job at its max_nodes:
+                    # a group that cannot fill would wait out the whole ROUND_WAIT.
+                    optimizer.schedule_round_now(ROUND_WAIT)
             stepping = time.monotonic()
             optimizer.step(batch_size=done_step.samples if local is not None else None)
             stepped = time.monotonic()
@@ -530,6 +537,8 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                     if round_samples >= inner_steps * hello.batch_size:
                         waiting = time.monotonic()
                         wait_for_round(optimizer, stop, lambda: round_target(membership.place()[1]))
+                        if membership.place()[1] < spec.max_nodes and optimizer.drop_round_looking():
+                            logger.info("a member left during the round: its group is matched afresh")
                         mark = time.monotonic()
                         waited += mark - waiting
                 continue

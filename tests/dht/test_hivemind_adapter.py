@@ -260,11 +260,14 @@ def test_a_lone_optimizer_does_not_matchmake_ahead_and_one_with_peers_does_unles
 
 
 def _one_round(run: str, grad: float, initial_peers: tuple[str, ...] = (), rounds: int = 1,
-               schedule_gradient_rounds: bool = True) -> tuple[float, float]:
+               schedule_gradient_rounds: bool = True, share_first: bool = False) -> tuple[float, float, float]:
     """Step our optimizer (a group of two at most, 30 s of matchmaking time) at about 20 samples/s, once the other
-    member is seen, until `rounds` rounds are over. Returns (seconds from then to the last round's end, the
-    parameter after it)."""
+    member is seen, until `rounds` rounds are over. `share_first`: as a local-updates member whose share of the round
+    is done, first schedule the round (`schedule_round_now`) and wait, without stepping, until it reports its full
+    group waiting (`full_group_waiting`, at most 20 s). Returns (seconds from then to the last round's end, the
+    parameter after it, the steps taken meanwhile: -1 when a scheduled round's group was not reported)."""
     import torch
+    from hivemind.averaging.control import AveragingStage
 
     adapter.throttle_matchmaking()  # as the worker runs its rounds
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(initial_peers))
@@ -281,28 +284,37 @@ def _one_round(run: str, grad: float, initial_peers: tuple[str, ...] = (), round
         opt.step()
         while opt.tracker.global_progress.num_peers < 2:  # as the worker waits (membership.wait_for_tracker)
             time.sleep(0.1)
-        started = time.monotonic()
+        started, steps = time.monotonic(), 0
+        if share_first:
+            opt.schedule_round_now(30.0)
+            while not opt.full_group_waiting() and time.monotonic() - started < 20:
+                time.sleep(0.05)
+            if opt.scheduled_grads.stage != AveragingStage.AWAITING_TRIGGER:
+                steps = -1
         while opt.local_epoch < rounds and time.monotonic() - started < 90:
             params[0].grad = torch.full((1,), grad)
             opt.step()
+            steps += steps >= 0
             time.sleep(0.05)
-        return time.monotonic() - started, float(params[0])
+        return time.monotonic() - started, float(params[0]), steps
     finally:
         if opt is not None:
             opt.shutdown()
         dht.shutdown()
 
 
-def _two_members(run: str, rounds: int = 1, schedule_gradient_rounds: bool = True) -> tuple[tuple, tuple]:
+def _two_members(run: str, rounds: int = 1, schedule_gradient_rounds: bool = True,
+                 share_first: bool = False) -> tuple[tuple, tuple]:
     """`_one_round` in this process (gradient 1.0) and in another (gradient 3.0: two progress trackers in one
-    process count as one peer) on one run. Returns each member's (seconds, parameter)."""
+    process count as one peer) on one run. Returns each member's (seconds, parameter, steps)."""
     host = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peers = tuple(str(m) for m in host.get_visible_maddrs())
+    options = f"{rounds}, {schedule_gradient_rounds}, {share_first}"
     other = subprocess.Popen([sys.executable, "-c", "import sys, test_hivemind_adapter as t; print(*t._one_round("
-                              f"sys.argv[1], 3.0, tuple(sys.argv[2:]), {rounds}, {schedule_gradient_rounds}))",
+                              f"sys.argv[1], 3.0, tuple(sys.argv[2:]), {options}))",
                               run, *peers], cwd=Path(__file__).parent, stdout=subprocess.PIPE, text=True)
     try:
-        mine = _one_round(run, 1.0, peers, rounds, schedule_gradient_rounds)
+        mine = _one_round(run, 1.0, peers, rounds, schedule_gradient_rounds, share_first)
         return mine, tuple(map(float, other.communicate(timeout=150)[0].split()))
     finally:
         other.kill()
@@ -315,7 +327,7 @@ def test_the_gradient_averager_gets_the_averager_options():
     """hivemind.Optimizer hands `averager_opts` to its state averager alone; ours hands them to the gradient
     averager too. So a gradient round of a full group starts as soon as both members joined, not when the 30 s of
     matchmaking time are out (with hivemind's own Optimizer this round takes more than 30 s)."""
-    (seconds, value), (other_seconds, other_value) = _two_members("gpuswarm_j_00000000c1c1")
+    (seconds, value, _), (other_seconds, other_value, _) = _two_members("gpuswarm_j_00000000c1c1")
     # Averaged: between the two members' own steps (-0.1 and -0.3, whatever their shares of the samples).
     assert -0.3 + 1e-3 < value < -0.1 - 1e-3 and abs(value - other_value) < 1e-6, (value, other_value)
     assert seconds < 20 and other_seconds < 20, (seconds, other_seconds)  # not a speed check: the wait is 30 s
@@ -326,8 +338,22 @@ def test_without_rounds_scheduled_ahead_every_round_is_averaged():
     """hivemind skipped every other gradient round when none was scheduled ahead (the last round's control was still
     in `scheduled_grads`): members that stay level through two rounds averaged both (after a round taken alone each
     would have its own gradient's step: -0.1 against -0.3)."""
-    (_, value), (_, other_value) = _two_members("gpuswarm_j_00000000c2c2", rounds=2, schedule_gradient_rounds=False)
+    (_, value, _), (_, other_value, _) = _two_members("gpuswarm_j_00000000c2c2", rounds=2,
+                                                      schedule_gradient_rounds=False)
     assert -0.6 + 1e-3 < value < -0.2 - 1e-3 and abs(value - other_value) < 1e-6, (value, other_value)
+
+
+@pytest.mark.timeout(240)
+def test_a_round_scheduled_when_a_share_is_done_assembles_before_the_round_is_due():
+    """A local-updates member that has taken its share of a round schedules the round (`schedule_round_now`): the
+    group of two assembles while no member steps (long before the declared 30 s), and each member's next step
+    begins the round, although the tracker has not seen the round's 40 samples (each member added one): a full
+    group means that every member's share is in. The round averages the members as one started at its step would
+    (`test_the_gradient_averager_gets_the_averager_options`)."""
+    (_, value, steps), (_, other_value, other_steps) = _two_members(
+        "gpuswarm_j_00000000c3c3", schedule_gradient_rounds=False, share_first=True)
+    assert steps == other_steps == 1, (steps, other_steps)
+    assert -0.3 + 1e-3 < value < -0.1 - 1e-3 and abs(value - other_value) < 1e-6, (value, other_value)
 
 
 def test_8bit_codecs_decode_after_the_fix():
@@ -554,3 +580,31 @@ def test_matchmaking_reads_its_group_key_at_most_once_a_poll_period(monkeypatch)
         dht.shutdown()
     assert all([peer for peer, _ in f] == [dht.peer_id] for f in found), found
     assert len(reads) == 4 and all(b - a >= 0.29 for a, b in zip(reads, reads[1:], strict=False)), reads
+
+
+@pytest.mark.timeout(120)
+def test_a_scheduled_round_that_finds_no_group_is_not_due_and_can_be_dropped():
+    """A round scheduled by `schedule_round_now` that still looks for its group (here: no other member) is not
+    reported as a full group, and `drop_round_looking` cancels it, so that the step that begins the round matchmakes
+    afresh; with none scheduled there is nothing to drop."""
+    import torch
+    from hivemind.averaging.control import AveragingStage
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    opt = None
+    try:
+        opt = adapter.optimizer_class()(
+            dht=dht, run_id="gpuswarm_j_00000000c4c4", target_batch_size=40, batch_size_per_step=1, params=params,
+            optimizer=lambda q: torch.optim.SGD(q, lr=0.1), matchmaking_time=5.0, averaging_timeout=10.0,
+            averager_opts=adapter.averager_options(group_size=2), verbose=False, schedule_gradient_rounds=False)
+        control = opt.schedule_round_now(30.0)
+        assert opt.schedule_round_now(30.0) is None  # one at a time
+        time.sleep(1.0)
+        assert control.stage == AveragingStage.LOOKING_FOR_GROUP and not opt.full_group_waiting()
+        assert opt.drop_round_looking() and opt.scheduled_grads is None and control.cancelled()
+        assert not opt.drop_round_looking()
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        dht.shutdown()

@@ -33,7 +33,8 @@ class Tracker:
 
 
 def optimizer(samples: int = 40, target: int = 120, global_epoch: int = 3) -> SimpleNamespace:
-    return SimpleNamespace(tracker=Tracker(samples, target, global_epoch), local_epoch=3)
+    return SimpleNamespace(tracker=Tracker(samples, target, global_epoch), local_epoch=3,
+                           full_group_waiting=lambda: False)
 
 
 def waited(opt: SimpleNamespace, stop: threading.Event | None = None, limit: float = 10.0, change=None,
@@ -50,12 +51,14 @@ def test_it_returns_at_once_when_every_share_is_in_or_the_swarm_moved_on():
     assert waited(optimizer(global_epoch=4)) < 1.0
 
 
-@pytest.mark.parametrize("what", ["samples", "epoch", "stop", "a member left"])
+@pytest.mark.parametrize("what", ["samples", "epoch", "stop", "a member left", "a full group"])
 def test_it_holds_until_the_shares_are_in_the_epoch_moves_or_training_stops(what):
     opt, stop, target = optimizer(), threading.Event(), [120]
     change = {"samples": lambda: setattr(opt.tracker.global_progress, "samples_accumulated", 120),
               "epoch": lambda: setattr(opt.tracker, "global_epoch", 4), "stop": stop.set,
-              "a member left": lambda: target.__setitem__(0, 40)}[what]
+              "a member left": lambda: target.__setitem__(0, 40),
+              # the round scheduled when this member's share was done found its whole group (hivemind_adapter)
+              "a full group": lambda: setattr(opt, "full_group_waiting", lambda: True)}[what]
     assert 1.5 <= waited(opt, stop, change=change, target=lambda: target[0]) < 6.0
     if what == "a member left":
         assert opt.tracker.target_batch_size == 40  # the round's target follows the live members' shares
