@@ -213,7 +213,7 @@ def wait_for_round(optimizer, stop: threading.Event, target: Callable[[], int] |
     from each peer's last reported rate: with inner steps in bursts of a few seconds that estimate ran ahead of the
     members' real progress. So this waits for the samples themselves, or for what says they are in sooner: the round
     this member scheduled when its share was done found its whole group (`optimizer.full_group_waiting()`: every
-    member schedules only then; hivemind_adapter.optimizer_class, decision 0042). The step after the wait begins the
+    member schedules only then; hivemind_adapter.optimizer_class, decision 0043). The step after the wait begins the
     round."""
     tracker, deadline = optimizer.tracker, time.monotonic() + limit
     with adding_nothing(tracker), reading_often(tracker):

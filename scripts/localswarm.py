@@ -208,3 +208,8 @@ class LocalSwarm:
         with contextlib.suppress(OSError):
             return "\n".join((self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
         return ""
+
+    def worker_log(self, index: int, job_id: str) -> str:
+        """What node `index`'s training processes for the job logged (every assignment's)."""
+        return "".join(p.read_text(errors="replace") for p in (self.root / f"node-{index}" / "jobs").glob(
+            f"{job_id}-*/worker.log"))

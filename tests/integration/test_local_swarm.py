@@ -79,6 +79,25 @@ def test_three_nodes_train_to_target_and_share_the_credit(swarm, tmp_path):
     assert evaluate_builtin(read_model_file(model))["accuracy"] == pytest.approx(done.final_accuracy, abs=1e-6)
 
 
+def test_local_updates_go_on_without_a_member_killed_mid_round(swarm):
+    """Mode "diloco" (the default): each member schedules a round once its share is done, and the round begins when
+    its group is full. With a member killed the group cannot fill: the others drop the round they scheduled once the
+    member's record has expired (membership.MEMBER_TTL), match afresh, and go on training without it."""
+    # An accuracy digits-mlp never reaches, in rounds of 20 inner steps: the job trains until it is cancelled.
+    job = swarm.client.submit_job({**SPEC, "stop": {"target_accuracy": 0.999, "max_epochs": 1000},
+                                   "training": {"inner_steps": 20}})
+    swarm.wait(lambda: (j := swarm.client.job(job.id)).progress.global_step >= 2 and j.progress.peers >= 3, 180,
+               "three members to average rounds together")
+    swarm.kill_node(2)
+    killed_at = swarm.client.job(job.id).progress.global_step
+    swarm.wait(lambda: swarm.client.job(job.id).progress.global_step >= killed_at + 3, 240,
+               "three more rounds after the kill")
+    # (One survivor may instead join the group the other matched afresh, with nothing of its own to drop.)
+    dropped = [i for i in (0, 1) if "a member left during the round" in swarm.worker_log(i, job.id)]
+    assert dropped, [swarm.worker_log(i, job.id)[-3000:] for i in (0, 1)]
+    swarm.client.cancel_job(job.id)
+
+
 def test_job_survives_a_node_killed_mid_training(swarm):
     # Mode "sync": one global step per 3 s round, so the kill lands well before the target (with local updates
     # digits reaches it in a round or two).

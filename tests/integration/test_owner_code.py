@@ -275,11 +275,6 @@ def first_step_after(log: Path, marker: str = "") -> int | None:
     return int(match.group(1)) if match else None
 
 
-def worker_log(lab: LocalSwarm, index: int, job_id: str) -> str:
-    return "".join(p.read_text(errors="replace") for p in (lab.root / f"node-{index}" / "jobs").glob(
-        f"{job_id}-*/worker.log"))
-
-
 def test_a_job_whose_nodes_all_die_resumes_from_its_checkpoint_and_a_late_joiner_catches_up(tmp_path):
     lab = LocalSwarm(tmp_path / "swarm")
     try:
@@ -310,11 +305,11 @@ def test_a_job_whose_nodes_all_die_resumes_from_its_checkpoint_and_a_late_joiner
         lab.start_node(4)
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and not all(
-                f"resumed from checkpoint-{newest:08d}.pt" in worker_log(lab, i, job.id) for i in (3, 4)):
+                f"resumed from checkpoint-{newest:08d}.pt" in lab.worker_log(i, job.id) for i in (3, 4)):
             time.sleep(1)
         for i in (3, 4):
-            assert f"resumed from checkpoint-{newest:08d}.pt at step {newest}" in worker_log(lab, i, job.id), \
-                worker_log(lab, i, job.id)[-3000:]
+            assert f"resumed from checkpoint-{newest:08d}.pt at step {newest}" in lab.worker_log(i, job.id), \
+                lab.worker_log(i, job.id)[-3000:]
         wait_for(lab, job.id, lambda j: j.progress.global_step > newest + 2, 120, "trained on after the resume")
         for i in (3, 4):
             first = first_step_after(lab.logs / f"node-{i}.log")
