@@ -281,8 +281,9 @@ def optimizer_class():
       expiration `within` seconds away: a local-updates member calls it when its share of a round is done, so the
       group assembles while the last members compute (a leader starts as soon as its group is full), and the step
       that ends the round triggers the all-reduce at once. Members that call it later declare later expirations,
-      so they join the first one's group (hivemind's leaders accept followers that expire after them; decision
-      0043)."""
+      so they join the first one's group (hivemind's leaders accept followers that expire after them).
+      `full_group_waiting()` says when such a round's group is full, and makes the next step begin the round;
+      `drop_round_looking()` gives up one that cannot fill (decision 0043)."""
     global _OPTIMIZER
     if _OPTIMIZER is None:
         import hivemind
