@@ -33,7 +33,7 @@ What is used, and why:
 - `hivemind.Optimizer._begin_averaging_gradients` (`optimizer_class`): it skips a round's averaging when the last
   round's control is still in `scheduled_grads`; the subclass drops that control first.
 - `Optimizer.scheduled_grads`, `StepControl.stage` and `.scheduled_time`, and the tracker's
-  `global_progress.eta_next_epoch` (`optimizer_class`: `schedule_round_now`, `full_group_waiting`,
+  `global_progress.eta_next_epoch` (`optimizer_class`: `schedule_round_now`, `due_if_group_full`,
   `drop_round_looking`): a local-updates round is scheduled by the worker, and begun as soon as its group is full.
 - `hivemind.Optimizer._make_gradient_averager` (`optimizer_class`): it drops the Optimizer's `averager_opts`; the
   subclass passes them on, so the gradient averager gets the settings the state averager gets, and offers no
@@ -282,7 +282,7 @@ def optimizer_class():
       group assembles while the last members compute (a leader starts as soon as its group is full), and the step
       that ends the round triggers the all-reduce at once. Members that call it later declare later expirations,
       so they join the first one's group (hivemind's leaders accept followers that expire after them).
-      `full_group_waiting()` says when such a round's group is full, and makes the next step begin the round;
+      `due_if_group_full()` marks such a round due once its group is full, so the next step begins it;
       `drop_round_looking()` gives up one that cannot fill (decision 0043)."""
     global _OPTIMIZER
     if _OPTIMIZER is None:
@@ -303,9 +303,14 @@ def optimizer_class():
                 if self._schedule_gradient_rounds and self.tracker.global_progress.num_peers > 1:
                     super()._maybe_schedule_gradient_averaging()
 
+            def _pending_round(self):
+                """The gradient round scheduled and not yet triggered, or None."""
+                control = self.scheduled_grads
+                return control if control is not None and not (control.triggered or control.done()) else None
+
             def _begin_averaging_gradients(self, grad_scaler) -> bool:
-                if self.scheduled_grads is not None and (self.scheduled_grads.triggered or self.scheduled_grads.done()):
-                    self.scheduled_grads = None  # the last round's, not one scheduled for this round
+                if self._pending_round() is None:
+                    self.scheduled_grads = None  # the last round's, if any: not one scheduled for this round
                 return super()._begin_averaging_gradients(grad_scaler)
 
             def _maybe_schedule_state_averaging(self) -> None:
@@ -318,8 +323,7 @@ def optimizer_class():
                 scheduled and not yet triggered. The control, or None when none was scheduled."""
                 from hivemind.utils import get_dht_time
 
-                control = self.scheduled_grads
-                if control is not None and not (control.triggered or control.done()):
+                if self._pending_round() is not None:
                     return None
                 self.scheduled_grads = self.grad_averager.schedule_step(
                     scheduled_time=get_dht_time() + within, timeout=within + self.averaging_timeout)
@@ -331,25 +335,24 @@ def optimizer_class():
                 begins the round then matchmakes afresh, as without scheduling. Whether one was cancelled."""
                 from hivemind.averaging.control import AveragingStage
 
-                control = self.scheduled_grads
-                if control is None or control.triggered or control.done() \
-                        or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                control = self._pending_round()
+                if control is None or control.stage != AveragingStage.LOOKING_FOR_GROUP:
                     return False
                 control.cancel()
                 self.scheduled_grads = None
                 return True
 
-            def full_group_waiting(self) -> bool:
-                """Whether the round scheduled by `schedule_round_now` has its group, assembled before the time it
-                declared: a leader starts that early only with a full group, and every member schedules only once
-                its share is done, so the round is due. The tracker is then told so, and the next step begins the
-                round without waiting to read the swarm's samples from the DHT."""
+            def due_if_group_full(self) -> bool:
+                """If the round scheduled by `schedule_round_now` has its group, assembled before the time it
+                declared (a leader starts that early only with a full group, and every member schedules only once
+                its share is done), mark the round due: the tracker's estimate of its end becomes now, so the next
+                step begins it without waiting to read the swarm's samples from the DHT. Whether it did."""
                 from hivemind.averaging.control import AveragingStage
                 from hivemind.utils import get_dht_time
 
-                control, now = self.scheduled_grads, get_dht_time()
-                if control is None or control.triggered or control.done() \
-                        or control.stage != AveragingStage.AWAITING_TRIGGER or now >= control.scheduled_time - 1.0:
+                control, now = self._pending_round(), get_dht_time()
+                if control is None or control.stage != AveragingStage.AWAITING_TRIGGER \
+                        or now >= control.scheduled_time - 1.0:
                     return False
                 self.tracker.global_progress.eta_next_epoch = now
                 return True

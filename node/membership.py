@@ -212,7 +212,7 @@ def wait_for_round(optimizer, stop: threading.Event, target: Callable[[], int] |
     hivemind's own trigger (`ready_to_update_epoch`) also fires at its estimate of the round's end, extrapolated
     from each peer's last reported rate: with inner steps in bursts of a few seconds that estimate ran ahead of the
     members' real progress. So this waits for the samples themselves, or for what says they are in sooner: the round
-    this member scheduled when its share was done found its whole group (`optimizer.full_group_waiting()`: every
+    this member scheduled when its share was done found its whole group (`optimizer.due_if_group_full()`: every
     member schedules only then; hivemind_adapter.optimizer_class, decision 0043). The step after the wait begins the
     round."""
     tracker, deadline = optimizer.tracker, time.monotonic() + limit
@@ -221,7 +221,7 @@ def wait_for_round(optimizer, stop: threading.Event, target: Callable[[], int] |
             if target is not None:
                 tracker.target_batch_size = target()
             if tracker.global_progress.samples_accumulated >= tracker.target_batch_size \
-                    or tracker.global_epoch > optimizer.local_epoch or optimizer.full_group_waiting():
+                    or tracker.global_epoch > optimizer.local_epoch or optimizer.due_if_group_full():
                 return
             time.sleep(0.05)
 

@@ -263,8 +263,8 @@ def _one_round(run: str, grad: float, initial_peers: tuple[str, ...] = (), round
                schedule_gradient_rounds: bool = True, share_first: bool = False) -> tuple[float, float, float]:
     """Step our optimizer (a group of two at most, 30 s of matchmaking time) at about 20 samples/s, once the other
     member is seen, until `rounds` rounds are over. `share_first`: as a local-updates member whose share of the round
-    is done, first schedule the round (`schedule_round_now`) and wait, without stepping, until it reports its full
-    group waiting (`full_group_waiting`, at most 20 s). Returns (seconds from then to the last round's end, the
+    is done, first schedule the round (`schedule_round_now`) and wait, without stepping, until its full group
+    marks it due (`due_if_group_full`, at most 20 s). Returns (seconds from then to the last round's end, the
     parameter after it, the steps taken meanwhile: -1 when a scheduled round's group was not reported)."""
     import torch
     from hivemind.averaging.control import AveragingStage
@@ -287,7 +287,7 @@ def _one_round(run: str, grad: float, initial_peers: tuple[str, ...] = (), round
         started, steps = time.monotonic(), 0
         if share_first:
             opt.schedule_round_now(30.0)
-            while not opt.full_group_waiting() and time.monotonic() - started < 20:
+            while not opt.due_if_group_full() and time.monotonic() - started < 20:
                 time.sleep(0.05)
             if opt.scheduled_grads.stage != AveragingStage.AWAITING_TRIGGER:
                 steps = -1
@@ -601,7 +601,7 @@ def test_a_scheduled_round_that_finds_no_group_is_not_due_and_can_be_dropped():
         control = opt.schedule_round_now(30.0)
         assert opt.schedule_round_now(30.0) is None  # one at a time
         time.sleep(1.0)
-        assert control.stage == AveragingStage.LOOKING_FOR_GROUP and not opt.full_group_waiting()
+        assert control.stage == AveragingStage.LOOKING_FOR_GROUP and not opt.due_if_group_full()
         assert opt.drop_round_looking() and opt.scheduled_grads is None and control.cancelled()
         assert not opt.drop_round_looking()
     finally:

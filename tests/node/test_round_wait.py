@@ -34,7 +34,7 @@ class Tracker:
 
 def optimizer(samples: int = 40, target: int = 120, global_epoch: int = 3) -> SimpleNamespace:
     return SimpleNamespace(tracker=Tracker(samples, target, global_epoch), local_epoch=3,
-                           full_group_waiting=lambda: False)
+                           due_if_group_full=lambda: False)
 
 
 def waited(opt: SimpleNamespace, stop: threading.Event | None = None, limit: float = 10.0, change=None,
@@ -58,7 +58,7 @@ def test_it_holds_until_the_shares_are_in_the_epoch_moves_or_training_stops(what
               "epoch": lambda: setattr(opt.tracker, "global_epoch", 4), "stop": stop.set,
               "a member left": lambda: target.__setitem__(0, 40),
               # the round scheduled when this member's share was done found its whole group (hivemind_adapter)
-              "a full group": lambda: setattr(opt, "full_group_waiting", lambda: True)}[what]
+              "a full group": lambda: setattr(opt, "due_if_group_full", lambda: True)}[what]
     assert 1.5 <= waited(opt, stop, change=change, target=lambda: target[0]) < 6.0
     if what == "a member left":
         assert opt.tracker.target_batch_size == 40  # the round's target follows the live members' shares
