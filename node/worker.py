@@ -310,6 +310,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         choose_inner_steps,
         first_round_estimate,
         group_pace,
+        lands_on_inner,
         lone_round_steps,
         next_inner_steps,
         steps_to_target,
@@ -549,6 +550,10 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 # A round this node took alone is never audited (no peer attested it): no evidence to keep.
                 if group is None or not group.solo:
                     evidence.end(last_epoch, local.params, inner_state)
+                elif lands_on_inner(outer):
+                    # Alone, the outer step is anchor − 1·(anchor − inner): the anchor is the inner parameters, and
+                    # a lone member trains exactly as one process does (not a float rounding away each round).
+                    local.land_on_inner()
                 if (group is None or group.solo) and count > 1:
                     # Alone while others train (it started late, or its round failed: none is reported yet when
                     # hivemind gave up waiting on it): the outer step made this node's own inner parameters its

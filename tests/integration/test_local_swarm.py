@@ -115,3 +115,61 @@ def test_job_survives_a_node_killed_mid_training(swarm):
     assert lost and lost[0].state == "lost", lost
     survivors = {a.node_id for a in done.assignments if a.node_id != victim}
     assert len(survivors) == 2
+
+
+# The plain loop a lone member is compared with: the workload's own optimizer over its own batch stream (shard 0 of
+# 1, the job's seed), one thread and subnormals flushed as in the node's trainer, for a given number of steps; run
+# in a process of its own, so that this test's torch settings stay as they were. Writes the parameters.
+PLAIN_LOOP = """
+import sys, tempfile, torch
+from pathlib import Path
+from gpuswarm.node.trainer import ShardStream, build_workload, configure_torch, optimizer_spec
+from gpuswarm.proto.models import JobSpec
+spec, steps, out = JobSpec.model_validate_json(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+configure_torch(1)
+workload, _ = build_workload(spec, None, None, torch.device("cpu"), Path(tempfile.mkdtemp()))
+model = workload.build_model()
+optimizer = optimizer_spec(workload).build([p for p in model.parameters() if p.requires_grad])
+stream = ShardStream(workload, workload.ctx.seed)
+stream.reshard(0, 1, 0)
+for _ in range(steps):
+    workload.loss(model, stream.next()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+torch.save(model.state_dict(), out)
+"""
+
+
+def test_a_lone_member_trains_exactly_as_one_process_does(swarm_lab, tmp_path):
+    """A job's only member (mode "diloco", outer SGD at rate 1: the default) averages nothing: after each round the
+    anchor is its inner parameters bit for bit (LocalUpdates.land_on_inner), so its final model is the plain loop's
+    after as many steps, to the last bit. Before, the outer step's float rounding reached the trainer every round,
+    and at tinylm's target the two runs' parameters differed by up to 0.5."""
+    import subprocess
+    import sys
+
+    import torch
+    from gpuswarm.proto.models import JobSpec
+
+    lab = swarm_lab()
+    lab.start_coordinator()
+    lab.start_node(0)
+    lab.wait_for_nodes(1)
+    spec = {"name": "it-lone", "workload": "digits-mlp", "min_nodes": 1, "max_nodes": 1, "budget": 5.0,
+            "stop": {"max_steps": 3, "max_epochs": 1000}, "training": {"inner_steps": 12}}
+    job = lab.client.submit_job(spec)
+    done = wait_for_job(lab, job.id, timeout=240.0, client=lab.client)
+    assert done.state == "completed", done
+    node = lab.node_id(0)
+    steps = wait_for_ledger(lab, job.id, {node})[node].steps
+    assert steps == 3 * 12, steps  # three rounds of twelve inner steps
+
+    model = tmp_path / "model.pt"
+    lab.client.download_artifact(job.id, "model.pt", model)
+    plain = tmp_path / "plain.pt"
+    subprocess.run([sys.executable, "-c", PLAIN_LOOP, JobSpec.model_validate(spec).model_dump_json(), str(steps),
+                    str(plain)], check=True, timeout=120)
+    lone, reference = read_model_file(model).state_dict, torch.load(plain, weights_only=True)
+    assert lone.keys() == reference.keys()
+    different = [name for name in reference if not torch.equal(lone[name], reference[name])]
+    assert not different, different
