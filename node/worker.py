@@ -550,9 +550,11 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 # A round this node took alone is never audited (no peer attested it): no evidence to keep.
                 if group is None or not group.solo:
                     evidence.end(last_epoch, local.params, inner_state)
-                elif lands_on_inner(outer):
-                    # Alone, the outer step is anchor − 1·(anchor − inner): the anchor is the inner parameters, and
-                    # a lone member trains exactly as one process does (not a float rounding away each round).
+                elif count == 1 and lands_on_inner(outer):
+                    # The run's only member, whose outer step is anchor − 1·(anchor − inner): the anchor is the inner
+                    # parameters, and it trains exactly as one process does (not a float rounding away each round).
+                    # With others in the run, the state may have been averaged with them in this step, or is loaded
+                    # from a peer below: hivemind's result stays.
                     local.land_on_inner()
                 if (group is None or group.solo) and count > 1:
                     # Alone while others train (it started late, or its round failed: none is reported yet when
