@@ -1,4 +1,5 @@
-"""End to end: a real coordinator process and three real node daemons train digits-mlp with hivemind.
+"""End to end: a real coordinator process and real node daemons (three; one for a lone member) train digits-mlp
+with hivemind.
 
 These are the slowest tests (a few minutes each on 2 cores): every part is real, from signed registration to
 hivemind all-reduce rounds between the nodes' training processes, to the final model in the artifact store.
@@ -6,11 +7,15 @@ hivemind all-reduce rounds between the nodes' training processes, to the final m
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
+import torch
 from gpuswarm.node.workloads.saved import evaluate_builtin, read_model_file
 from gpuswarm.proto.api import ContributionSummary, JobDetail
+from gpuswarm.proto.models import JobSpec
 from localswarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
@@ -145,12 +150,6 @@ def test_a_lone_member_trains_exactly_as_one_process_does(swarm_lab, tmp_path):
     anchor is its inner parameters bit for bit (LocalUpdates.land_on_inner), so its final model is the plain loop's
     after as many steps, to the last bit. Before, the outer step's float rounding reached the trainer every round,
     and at tinylm's target the two runs' parameters differed by up to 0.5."""
-    import subprocess
-    import sys
-
-    import torch
-    from gpuswarm.proto.models import JobSpec
-
     lab = swarm_lab()
     lab.start_coordinator()
     lab.start_node(0)
