@@ -4,6 +4,8 @@ here rather than in `gpuswarm dht` output or in the advert validator."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -247,14 +249,16 @@ def test_a_lone_optimizer_does_not_matchmake_ahead_and_one_with_peers_does_unles
     host = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peers = tuple(str(m) for m in host.get_visible_maddrs())
     run = "gpuswarm_j_00000000b3b3"
+    # In a session of its own: it is killed mid-way, and its DHT and averager processes (forks of it, and their
+    # p2pd) go with it, not on as orphans of init for the rest of the suite (seen: still running an hour later).
     other = subprocess.Popen([sys.executable, "-c", "import sys, test_hivemind_adapter as t; t._schedules_ahead("
                               "'ours, local updates', sys.argv[1], 400, 90.0, tuple(sys.argv[2:]))", run, *peers],
-                             cwd=Path(__file__).parent)
+                             cwd=Path(__file__).parent, start_new_session=True)
     try:
         assert _schedules_ahead("ours, local updates", run, 400, 30.0, peers) == (False, True)
         assert _schedules_ahead("ours", run, 400, 60.0, peers)[0]
     finally:
-        other.kill()
+        os.killpg(other.pid, signal.SIGKILL)
         other.wait()
         host.shutdown()
 
