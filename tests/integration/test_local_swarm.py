@@ -157,7 +157,7 @@ def test_a_lone_member_trains_exactly_as_one_process_does(swarm_lab, tmp_path):
     spec = {"name": "it-lone", "workload": "digits-mlp", "min_nodes": 1, "max_nodes": 1, "budget": 5.0,
             "stop": {"max_steps": 3, "max_epochs": 1000}, "training": {"inner_steps": 12}}
     job = lab.client.submit_job(spec)
-    done = wait_for_job(lab, job.id, timeout=240.0, client=lab.client)
+    done = wait_for_job(lab, job.id, timeout=240.0)
     assert done.state == "completed", done
     node = lab.node_id(0)
     steps = wait_for_ledger(lab, job.id, {node})[node].steps
