@@ -26,10 +26,11 @@ pytestmark = pytest.mark.integration
 REQUIRE_ENV = "GPUSWARM_REQUIRE_BROWSER"
 BROWSER_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", "--window-size=1440,1000"]
-# test_local_swarm's digits job on two nodes. Its target is out of reach, so it is still training (and the curve
-# still growing) whenever the browser looks; the swarm is stopped long before max_epochs.
+# test_local_swarm's digits job on two nodes. Its target is out of reach and it has no epoch limit, so it is still
+# training (and the curve still growing) whenever the browser looks: local updates take a digits-mlp swarm through
+# 60 epochs in a few seconds, which ended the job under max_epochs 60 before the browser saw its curve grow.
 SPEC = {"name": "dashboard-digits", "workload": "digits-mlp", "min_nodes": 2, "max_nodes": 2, "budget": 5.0,
-        "stop": {"target_accuracy": 1.0, "max_epochs": 60}}
+        "stop": {"target_accuracy": 1.0, "max_epochs": None, "max_seconds": 3600}}
 HOSTILE_NAME = "<img src=x onerror=alert(1)>"
 MANY_NODES = 120
 GPUS = [("NVIDIA RTX 4090", 24.0, 1), ("NVIDIA A100-SXM4-80GB", 80.0, 8), ("NVIDIA H100 80GB HBM3", 80.0, 4), None]
