@@ -23,8 +23,10 @@ Credit rule (one claim per node and hivemind epoch, signed by its node, see `pro
   median rate (samples per second of its window) of the round's other members, scaled up (never down) by the ratio
   of the nodes' GFLOP/s (`stable_gflops`: the median of each node's last `GFLOPS_HISTORY` passed challenges, not
   one noisy measure), over the claim's own billable window, and never below one round's worth. A solo claim is
-  capped at one round's worth. A claim over its cap is flagged, except a node's first credited one, and a flagged
-  claim earns no slack: it is credited the median share alone (so inflating pays less than honesty);
+  capped at one round's worth. A claim over its cap is flagged, except in a round where a member (the claimant or
+  a peer) makes its first claim since it was assigned, having just started or rejoined (its shares say nothing
+  about honesty; the cap still holds), and a flagged claim earns no slack: it is credited the median share alone
+  (so inflating pays less than honesty);
 - the paid time is the claim's wall-clock window (the node's GPUs were the job's for that long), only while the node
   held an assignment in the job (not before it was matched, not after a loss, a cancel or the job's end), never
   before its previous paid claim, and scaled like the samples (`billable_seconds`); a claim whose window began
@@ -389,6 +391,16 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
     by_epoch: dict[int, dict[str, list[Contribution]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         by_epoch[r.epoch][r.node_id].append(r)
+    # Each node's first epoch with a claim that ended after its newest assignment in the job began: the round in
+    # which it started or rejoined.
+    newest = (select(AssignmentRow.node_id, func.max(AssignmentRow.created_at).label("began"))
+              .where(AssignmentRow.job_id == job.id).group_by(AssignmentRow.node_id).subquery())
+    joined_at = dict((await session.execute(
+        select(Contribution.node_id, func.min(Contribution.epoch))
+        .join(newest, newest.c.node_id == Contribution.node_id)
+        .where(Contribution.job_id == job.id, Contribution.window_end > newest.c.began)
+        .group_by(Contribution.node_id))).all())
+
     for epoch, by_node in sorted(by_epoch.items()):
         for node_id, versions in sorted(by_node.items()):
             for v in versions:
@@ -427,11 +439,12 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
                        for c in (chosen, *peers)}
             cap = throughput_cap(chosen, peers, gflops, spec, windows)
             credited = chosen.samples if cap is None else min(chosen.samples, cap)
-            # A node's first credited round is capped but not flagged: members start at different times, and while
-            # the first wait for the others (hivemind's tracker) a late one steps on, so the shares of that round say
-            # nothing about honesty.
+            # A round in which a member (this one or a peer) makes its first claim since it was assigned is capped
+            # but not flagged: members start at different times, and while the first wait for the others (hivemind's
+            # tracker) a late one steps on; a member that rejoins loads the state from a peer, which steps less
+            # meanwhile. The shares of such a round say nothing about honesty.
             if credited < chosen.samples:
-                if node_id in paid_until:
+                if not any(joined_at.get(c.node_id) == epoch for c in (chosen, *peers)) and node_id in paid_until:
                     credited = min(credited, throughput_cap(chosen, peers, gflops, spec, windows, slack=1.0))
                     chosen.flag = chosen.flag or (f"exceeds measured throughput: claimed {chosen.samples} samples, "
                                                   f"credited {credited}")

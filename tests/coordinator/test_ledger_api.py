@@ -272,6 +272,36 @@ async def test_a_claim_beyond_measured_throughput_is_capped_and_flagged(alice, p
     assert nodes[b.node_id]["reputation"] < nodes[a.node_id]["reputation"]
 
 
+async def test_the_round_in_which_a_member_joins_caps_but_flags_no_one(alice):
+    """The round in which a member joins says nothing about honesty: the joiner steps once after loading the state,
+    the peer that served it steps little meanwhile, and the third steps on (seen in the SIGTERM fault test: 510
+    samples against 96 and 32, the honest one flagged). Its claims are capped, no one is flagged; the same claim in
+    the next round, the joiner in since the last, is flagged."""
+    a, b = await register_priced(alice, PRICE_A), await register_priced(alice, PRICE_A)
+    job_id = await submit(alice, min_nodes=2, max_nodes=3, budget=10.0, max_price_per_gpu_hour=5.0)
+    for n in (a, b):
+        await wait_for_assignment(alice, n, job_id)
+
+    async def round_of(epoch: int, samples: dict) -> dict[str, dict]:
+        start = time.time()
+        await asyncio.sleep(0.3)  # every window inside every member's assignment
+        claims = [claim(n, job_id, epoch, samples=k, window_start=start, window_end=time.time())
+                  for n, k in samples.items()]
+        for i, n in enumerate(samples):
+            await report(alice, n, job_id, claims[i:] + claims[:i], epoch=epoch)
+        return rows(await get(alice, f"/v1/jobs/{job_id}/statement"))
+
+    first = await round_of(0, {a: 600, b: 600})
+    assert first[a.node_id]["samples"] == 600 and first[a.node_id]["flagged"] == 0
+    c = await register_priced(alice, PRICE_A)
+    await wait_for_assignment(alice, c, job_id)  # the running job grows to max_nodes
+    joined = await round_of(1, {a: 6000, b: 100, c: 32})
+    assert 600 < joined[a.node_id]["samples"] < 600 + 6000, joined[a.node_id]  # capped
+    assert {r["flagged"] for r in joined.values()} == {0}, joined
+    after = await round_of(2, {a: 6000, b: 600, c: 600})
+    assert after[a.node_id]["flagged"] == 1 and after[b.node_id]["flagged"] == after[c.node_id]["flagged"] == 0
+
+
 async def test_claims_from_outside_the_job_are_ignored_not_fatal(alice, pair):
     a, b, job_id = pair
     outsider = await register(alice)
