@@ -359,6 +359,18 @@ def overlap(a: Contribution, b: Contribution) -> bool:
     return a.window_start < b.window_end and b.window_start < a.window_end
 
 
+async def first_epochs_since_assigned(session: AsyncSession, job_id: str) -> dict[str, int]:
+    """Each node's first epoch with a claim that ended after its newest assignment in the job began: the round in
+    which it started or rejoined."""
+    newest = (select(AssignmentRow.node_id, func.max(AssignmentRow.created_at).label("began"))
+              .where(AssignmentRow.job_id == job_id).group_by(AssignmentRow.node_id).subquery())
+    return dict((await session.execute(
+        select(Contribution.node_id, func.min(Contribution.epoch))
+        .join(newest, newest.c.node_id == Contribution.node_id)
+        .where(Contribution.job_id == job_id, Contribution.window_end > newest.c.began)
+        .group_by(Contribution.node_id))).all())
+
+
 async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: float) -> list[str]:
     """Credit what can be credited among the job's claims for `epochs`, and pay for it. Returns ledger events."""
     rows = (await session.scalars(select(Contribution).where(
@@ -391,16 +403,7 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
     by_epoch: dict[int, dict[str, list[Contribution]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         by_epoch[r.epoch][r.node_id].append(r)
-    # Each node's first epoch with a claim that ended after its newest assignment in the job began: the round in
-    # which it started or rejoined.
-    newest = (select(AssignmentRow.node_id, func.max(AssignmentRow.created_at).label("began"))
-              .where(AssignmentRow.job_id == job.id).group_by(AssignmentRow.node_id).subquery())
-    joined_at = dict((await session.execute(
-        select(Contribution.node_id, func.min(Contribution.epoch))
-        .join(newest, newest.c.node_id == Contribution.node_id)
-        .where(Contribution.job_id == job.id, Contribution.window_end > newest.c.began)
-        .group_by(Contribution.node_id))).all())
-
+    joined_at: dict[str, int] | None = None  # read only when a claim goes over its cap
     for epoch, by_node in sorted(by_epoch.items()):
         for node_id, versions in sorted(by_node.items()):
             for v in versions:
@@ -444,6 +447,8 @@ async def credit_epochs(session: AsyncSession, job: Job, epochs: set[int], now: 
             # tracker) a late one steps on; a member that rejoins loads the state from a peer, which steps less
             # meanwhile. The shares of such a round say nothing about honesty.
             if credited < chosen.samples:
+                if joined_at is None:
+                    joined_at = await first_epochs_since_assigned(session, job.id)
                 if not any(joined_at.get(c.node_id) == epoch for c in (chosen, *peers)) and node_id in paid_until:
                     credited = min(credited, throughput_cap(chosen, peers, gflops, spec, windows, slack=1.0))
                     chosen.flag = chosen.flag or (f"exceeds measured throughput: claimed {chosen.samples} samples, "
