@@ -9,10 +9,11 @@ controller is available, else cgroup v1 cpu.cfs_quota_us); the plain loop runs i
 run from the job's submission (the nodes registered and idle) to its completion, and for the plain loop from its
 process's start to the target: both include starting Python and torch and reading the data.
 
-The plain loop is the same workload (examples/tinylm, the same data, model, batch and AdamW) stepping alone and
-evaluating every `--eval-every` steps, the way one machine would train it. By default the swarm keeps the plain
-loop's batch of 32 per inner step and splits it over its nodes (strong scaling: 16 each on 2 nodes, 8 on 4), so more
-nodes make each inner step cheaper, not larger; `--scale weak` gives every node the whole batch instead.
+The plain loop (scripts/bench/plain_loop.py, a process that imports only what training needs) is the same workload
+(examples/tinylm, the same data, model, batch and AdamW) stepping alone and evaluating every `--eval-every` steps,
+the way one machine would train it. By default the swarm keeps the plain loop's batch of 32 per inner step and
+splits it over its nodes (strong scaling: 16 each on 2 nodes, 8 on 4), so more nodes make each inner step cheaper,
+not larger; `--scale weak` gives every node the whole batch instead.
 `--workload digits-mlp` runs the digits demo's built-in workload instead (its own defaults; e.g. `--nodes 1,3
 --target "accuracy >= 0.95"`).
 
@@ -57,6 +58,7 @@ from split import corpus  # noqa: E402  (tinylm's text, for nodes and plain loop
 TINYLM = {"context": 64, "d_model": 192, "n_layer": 3, "n_head": 6, "batch_size": 32, "learning_rate": 0.005,
           "val_windows": 32}
 WG_PORT = 51820
+PLAIN_LOOP = Path(__file__).with_name("plain_loop.py")
 
 
 # ---- CPU quota -------------------------------------------------------------------------------------------------
@@ -117,47 +119,13 @@ def job_source(workload: str) -> dict:
     return {"workload": workload}
 
 
-def plain_loop(data: str, target: str, eval_every: int, max_seconds: float, workload_name: str) -> None:
-    """The floor: the workload trained by one process with one thread, printing one JSON line when it meets
-    `target`."""
-    started = time.monotonic()
-    import torch
-    from gpuswarm.node.trainer import configure_torch
-
-    configure_torch(1)  # as the node's trainer: one thread, subnormals flushed
-    sys.path.insert(0, str(ROOT / "examples" / "tinylm"))
-    from gpuswarm.node.trainer import ShardStream, build_workload
-    from gpuswarm.proto.models import JobSpec
-
-    spec = JobSpec.model_validate({**job_source(workload_name), "stop": {"target": target}})
-    with tempfile.TemporaryDirectory() as work:
-        workload, _ = build_workload(spec, ROOT / "examples" / "tinylm", Path(data), torch.device("cpu"), Path(work))
-        model = workload.build_model()
-        optimizer = workload.optimizer().build([p for p in model.parameters() if p.requires_grad])
-        stream = ShardStream(workload, 0)
-        stream.reshard(0, 1, 0)
-        (name, op, value), = spec.stop.metric_targets()
-        step = 0
-        while time.monotonic() - started < max_seconds:
-            loss = workload.loss(model, stream.next())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if step % eval_every == 0:
-                metric = workload.evaluate(model)[name]
-                if metric <= value if op == "<=" else metric >= value:
-                    print(json.dumps({"seconds": time.monotonic() - started, "steps": step, "metric": metric}))
-                    return
-        print(json.dumps({"seconds": None, "steps": step, "metric": None}))
-
-
 def run_plain(data: Path, target: str, cpus: float, eval_every: int, max_seconds: float, workload: str) -> dict:
     quota = CpuQuota("gpuswarm-bench-plain", cpus)
     try:
-        out = subprocess.run([sys.executable, __file__, "--plain-loop", str(data), "--target", target,
-                              "--eval-every", str(eval_every), "--max-seconds", str(max_seconds),
-                              "--workload", workload],
+        spec = {**job_source(workload), "stop": {"target": target}}
+        code = ["--code", str(ROOT / "examples" / "tinylm")] if workload == "tinylm" else []
+        out = subprocess.run([sys.executable, str(PLAIN_LOOP), "--spec", json.dumps(spec), "--data", str(data),
+                              *code, "--eval-every", str(eval_every), "--max-seconds", str(max_seconds)],
                              preexec_fn=quota.preexec, capture_output=True, text=True, timeout=max_seconds + 120)
         if out.returncode != 0:
             raise RuntimeError(f"the plain loop failed: {out.stderr[-2000:]}")
@@ -311,7 +279,6 @@ def table(cases: list[dict], args, plain: dict, draw: bool) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--plain-loop", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="tinylm", help='tinylm (default) or a built-in, e.g. "digits-mlp"')
     parser.add_argument("--quick", action="store_true", help="1 and 2 nodes to an easier target")
     parser.add_argument("--json", action="store_true")
@@ -335,9 +302,6 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="keep each case's logs and databases under this directory")
     args = parser.parse_args()
     args.target = args.target or ("val_bpb <= 4.4" if args.quick else "val_bpb <= 3.6")
-    if args.plain_loop:
-        plain_loop(args.plain_loop, args.target, args.eval_every, args.max_seconds, args.workload)
-        return 0
     reason = netlab.unavailable_reason() or quota_unavailable()
     if args.keep is not None and args.keep.exists() and any(args.keep.iterdir()):
         # A case's coordinator would find the last run's database (and its owner) and fail minutes in.
