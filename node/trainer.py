@@ -444,4 +444,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Out without the interpreter's teardown of torch's modules: 1.1 CPU-seconds on this build, which a node under a
+    # CPU quota paid while its daemon uploaded the final model (a lone digits job under 0.4 CPU: 2.3 s from its stop
+    # rule to its completion, the trainer's exit using 0.87 CPU-s of the 0.92 there was). Nothing here needs it: the
+    # files this process wrote are closed, the worker has taken what it asked for, and the sandbox ends with it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

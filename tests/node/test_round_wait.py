@@ -3,7 +3,8 @@ member's share is in (the round's target, re-read while it waits), the swarm's e
 its limit passes; meanwhile it reports no rate to the swarm. The optimizer is a stand-in with what the wait reads
 and writes, around hivemind's real `PerformanceEMA`: the real tracker is exercised end to end by
 tests/integration/test_local_swarm.py. How often a tracker reads the swarm's progress (`membership.reading_often`)
-is tested on hivemind's real `ProgressTracker` over a real DHT."""
+is tested on hivemind's real `ProgressTracker` over a real DHT, and so is `membership.wait_for_tracker`, the hold
+after a member's first step until its tracker has seen the run's peers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from types import SimpleNamespace
 
 import hivemind
 import pytest
-from gpuswarm.node.membership import REFRESH_COMPUTING, REFRESH_WAITING, reading_often, wait_for_round
+from gpuswarm.node.membership import (
+    REFRESH_COMPUTING,
+    REFRESH_WAITING,
+    reading_often,
+    wait_for_round,
+    wait_for_tracker,
+)
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.performance_ema import PerformanceEMA
 
@@ -113,4 +120,45 @@ def test_a_waiting_member_reads_the_swarms_progress_at_once_and_every_second_and
         assert tracker.max_refresh_period == REFRESH_COMPUTING
     finally:
         tracker.shutdown()
+        dht.shutdown()
+
+
+def held(tracker: ProgressTracker, min_nodes: int, bound: float = 10.0) -> float:
+    """Seconds `wait_for_tracker` held a member whose tracker is `tracker`; training stops after `bound`."""
+    stop = threading.Event()
+    timer = threading.Timer(bound, stop.set)
+    timer.start()
+    began = time.monotonic()
+    try:
+        wait_for_tracker(SimpleNamespace(tracker=tracker), min_nodes, stop)
+    finally:
+        timer.cancel()
+    return time.monotonic() - began
+
+
+def test_a_member_of_a_job_that_may_run_alone_waits_only_for_its_trackers_next_read():
+    dht = hivemind.DHT(start=True)
+    other_dht = hivemind.DHT(start=True, initial_peers=dht.get_visible_maddrs())
+    # A long default period: without the wait's own read, the tracker would not read again for a minute.
+    tracker = ProgressTracker(dht, "lone-test", target_batch_size=10**6, default_refresh_period=60.0, start=True)
+    other = None
+    try:
+        # Nothing in the run reported samples, this member included: no record to see, ever. A job of two waits on
+        # (until training stops); a job of one goes on after the read, which found nobody.
+        assert held(tracker, 2, bound=2.0) >= 2.0
+        assert held(tracker, 1) < 5.0
+        assert tracker.global_progress.num_peers == 0
+        # Another member is in the run already: the read shows it.
+        other = ProgressTracker(other_dht, "lone-test", target_batch_size=10**6, start=True)
+        other.report_local_progress(0, 32)
+        deadline = time.monotonic() + 10
+        while not (dht.get("lone-test_progress", latest=True) or (None, 0))[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert held(tracker, 1) < 5.0
+        assert tracker.global_progress.num_peers == 1
+    finally:
+        for t in (tracker, other):
+            if t is not None:
+                t.shutdown()
+        other_dht.shutdown()
         dht.shutdown()
