@@ -51,16 +51,6 @@ STOP_TIMEOUT = 20.0  # seconds a training process gets to leave its averaging ro
 WORKER_STOP_GRACE = 1.5  # ... when the node itself stops (it must be gone within 3 s, systemd's or an operator's)
 
 
-async def first_of(*waits) -> None:
-    """Return when the first of the awaitables `waits` is done; the others are cancelled."""
-    tasks = [asyncio.ensure_future(w) for w in waits]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
 class NodeRevoked(RuntimeError):
     """The coordinator revoked this node: it refuses everything we send, so the daemon stops."""
 
@@ -125,9 +115,6 @@ class NodeDaemon:
         self._failures: list[AssignmentFailure] = []
         self._claimed: dict[str, int] = {}  # job -> the highest epoch of its round reports the coordinator took
         self._uploads: list[PendingUpload] = []
-        # Set when a job's final model is ready: the supervisor's next step (which uploads it) starts at once, not
-        # up to a heartbeat interval later. The job is done, and its owner can have the model, only once it is up.
-        self._wake = asyncio.Event()
         self._seen_assignments: set[int] = set()  # never restart an assignment that already ran here
         self._stopping: set[str] = set()  # jobs we stopped on purpose: their exit is not a failure
         self._stop_tasks: set[asyncio.Task] = set()
@@ -155,8 +142,7 @@ class NodeDaemon:
                     logger.exception("supervisor step failed; continuing")
                 with contextlib.suppress(TimeoutError):  # asyncio.timeout: see coordinator.app.supervise
                     async with asyncio.timeout(self.interval):
-                        await first_of(stop.wait(), self._wake.wait())
-                self._wake.clear()
+                        await stop.wait()
         finally:
             try:
                 await asyncio.wait_for(self.shutdown(), timeout=self.config.shutdown_timeout)
@@ -436,7 +422,6 @@ class NodeDaemon:
                         event.get("reason", "done"))
             self._uploads.append(PendingUpload(job.assignment.job_id, Path(event["path"]), event.get("accuracy"),
                                                event.get("epoch"), event.get("metrics")))
-            self._wake.set()
         elif kind == "resumed":
             logger.info("job %s resumed from %s at step %s", job.assignment.job_id, event.get("checkpoint"),
                         event.get("step"))
