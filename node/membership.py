@@ -204,8 +204,8 @@ def wait_for_tracker(optimizer, min_nodes: int, stop: threading.Event) -> None:
             if progress.num_peers >= min_nodes or (min_nodes <= 1 and progress is not last_read):
                 return
             time.sleep(0.05)
-    logger.warning("the progress tracker saw %d of %d peers; training anyway",
-                   optimizer.tracker.global_progress.num_peers, min_nodes)
+    logger.warning("the progress tracker saw %d of %d peers; training anyway", tracker.global_progress.num_peers,
+                   min_nodes)
 
 
 def wait_for_round(optimizer, stop: threading.Event, target: Callable[[], int] | None = None,

@@ -41,7 +41,6 @@ or as a spare, warmed up before its job, which then comes as one line on stdin: 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import itertools
 import json
@@ -620,13 +619,6 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 logger.info("stop rule met: %s", reason)
                 emit("finished", path=str(path), accuracy=accuracy if accuracy is not None and 0 <= accuracy <= 1
                      else None, epoch=round(epochs or 0.0, 3), global_step=step, metrics=metrics, reason=reason)
-                # The daemon uploads the model now, and the job is done once the coordinator has it. This process
-                # group's teardown (the trainer, hivemind's averagers, the DHT and p2pd, these interpreters) gives
-                # way to it on a node short of CPU: under the scaling bench's 0.4 CPU it took 0.9 CPU-s of the 1 s
-                # there was while the daemon uploaded 40 KB. (Only a group of its own: the runner starts one.)
-                if os.getpgrp() == os.getpid():
-                    with contextlib.suppress(OSError):
-                        os.setpriority(os.PRIO_PGRP, 0, 19)
                 return 0
             if local is not None and fixed_steps is None and count == 1:
                 # A lone member's next round ends no later than the line through its last two evaluations

@@ -43,8 +43,6 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_torch(1)  # as the node's trainer: one thread, subnormals flushed
     spec = JobSpec.model_validate(json.loads(args.spec))
-    if args.code is not None:
-        sys.path.insert(0, str(args.code))
     (name, op, value), = spec.stop.metric_targets()
     with tempfile.TemporaryDirectory() as work:
         workload, _ = build_workload(spec, args.code, args.data, torch.device("cpu"), Path(work))
