@@ -250,6 +250,26 @@ def reading_often(tracker):
         tracker.max_refresh_period = before
 
 
+def leave_last_record(tracker) -> None:
+    """A finished run's member puts its last progress record back in the DHT after hivemind's tracker shut down,
+    which replaced it with None. The coordinator's ledger reads the epoch a run reached from these records every
+    5 s, and the members of a run that meets its stop rule right after a round all shut down within a second or
+    two of it: without the records, the last epochs were never seen, and honest claims for them were flagged at
+    settlement as attested for epochs the swarm never reached (the CI run of 2026-12-02: a job that completed at
+    step 1 settled with the DHT's epoch at 0). The record expires as hivemind's do (`metadata_expiration`); only
+    a member whose run is over leaves it, since a live run's trackers would count it as a peer."""
+    from hivemind.utils import get_dht_time
+
+    try:
+        # Later than the None's expiration, so it replaces it wherever the None arrived first.
+        tracker.dht.store(tracker.training_progress_key, subkey=tracker._local_public_key,
+                          value=tracker.local_progress.dict(),
+                          expiration_time=get_dht_time() + tracker.metadata_expiration, return_future=True
+                          ).result(timeout=5.0)
+    except Exception as e:  # noqa: BLE001 - the run is over either way; the ledger then has the epochs it read
+        logger.warning("could not leave this member's last progress record in the DHT: %s", e)
+
+
 @contextlib.contextmanager
 def adding_nothing(tracker):
     """While a member waits for its round, it tells the swarm that it adds no samples: hivemind's tracker

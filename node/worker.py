@@ -61,6 +61,7 @@ from gpuswarm.node.membership import (
     ROUND_WAIT,
     Membership,
     RecordProofs,
+    leave_last_record,
     wait_for_round,
     wait_for_tracker,
 )
@@ -324,6 +325,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
     spec = a.spec
     link = TrainerLink(workdir, settings)
     dht = optimizer = attestor = None
+    finished = False  # the stop rule was met: the run is over
     done = threading.Event()  # ends this run's helper threads
     try:
         # The trainer builds the model and measures its initial metrics before this node joins anyone: a broken
@@ -619,6 +621,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 logger.info("stop rule met: %s", reason)
                 emit("finished", path=str(path), accuracy=accuracy if accuracy is not None and 0 <= accuracy <= 1
                      else None, epoch=round(epochs or 0.0, 3), global_step=step, metrics=metrics, reason=reason)
+                finished = True
                 return 0
             if local is not None and fixed_steps is None and count == 1:
                 # A lone member's next round ends no later than the line through its last two evaluations
@@ -649,6 +652,8 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         link.close(timeout=5.0)
         if optimizer is not None:
             optimizer.shutdown()
+            if finished:
+                leave_last_record(optimizer.tracker)
         if attestor is not None and optimizer is not None:
             # Rounds that finished while the optimizer shut down (it tags along with a running round) still count.
             # Work since the last round was never averaged into the model, so it is not claimed.
