@@ -248,7 +248,7 @@ def averager_compression(name: str):
 
 
 def optimizer_class():
-    """`hivemind.Optimizer`, with six differences.
+    """`hivemind.Optimizer`, with seven differences.
 
     - `averager_opts` reach its gradient averager too. hivemind 1.1.12 documents them as "forwarded to both
       GradientAverager and TrainingStateAverager" but hands them to the state averager alone
@@ -277,6 +277,13 @@ def optimizer_class():
       averaging altogether ("Not using pre-scheduled group ... already used elsewhere"): without scheduling ahead
       that was every other round (seen in the lab: rounds 1, 3, 5, 7 of 2-node tinylm runs, each member alone).
       The subclass drops such a control before the round begins.
+    - A round that was not scheduled ahead has a deadline: `averaging_timeout` seconds to find its group, as
+      hivemind gives the rounds it schedules itself. hivemind begins such a round with `grad_averager.step()` and no
+      timeout, so a round whose group never formed went on looking for one after the optimizer had given up on it
+      (`averaging_timeout`), for good: it held the averager's matchmaking lock, so every later round of that member
+      waited behind it ("Another look_for_group is already in progress") and failed in turn, and
+      `load_state_from_peers` waited another `averaging_timeout` tagging along with it. Seen in the lab after a
+      member joined a 2-node run late: rounds of 10-40 s for minutes, none averaged (decision 0047).
     - `schedule_round_now(within)` begins a gradient round's matchmaking when the caller says so, with a declared
       expiration `within` seconds away: a local-updates member calls it when its share of a round is done, so the
       group assembles while the last members compute (a leader starts as soon as its group is full), and the step
@@ -311,6 +318,9 @@ def optimizer_class():
             def _begin_averaging_gradients(self, grad_scaler) -> bool:
                 if self._pending_round() is None:
                     self.scheduled_grads = None  # the last round's, if any: not one scheduled for this round
+                    if self.tracker.global_progress.num_peers > 1:
+                        # With a deadline, as hivemind's own scheduling gives one (see the docstring).
+                        self.scheduled_grads = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
                 return super()._begin_averaging_gradients(grad_scaler)
 
             def _maybe_schedule_state_averaging(self) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -609,6 +610,56 @@ def test_a_scheduled_round_that_finds_no_group_is_not_due_and_can_be_dropped():
         assert opt.drop_round_looking() and opt.scheduled_grads is None and control.cancelled()
         assert not opt.drop_round_looking()
     finally:
+        if opt is not None:
+            opt.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_round_whose_group_never_forms_ends_when_the_optimizer_gives_up_on_it():
+    """A round not scheduled ahead has hivemind's `averaging_timeout` to find its group. hivemind's own Optimizer
+    begins such a round with no deadline: when no group forms, its matchmaking goes on after the optimizer gave up
+    and took its step alone, and holds the averager's matchmaking lock against every later round. The other member
+    here is a progress tracker alone (another process: trackers of one process count as one peer), which no
+    averager backs, so the round's group cannot form."""
+    import torch
+    from hivemind.averaging.control import AveragingStage
+
+    run = "gpuswarm_j_00000000c4c4"
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = [str(m) for m in dht.get_visible_maddrs()]
+    other = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time, hivemind
+        from hivemind.optim.progress_tracker import ProgressTracker
+        dht = hivemind.DHT(start=True, initial_peers=sys.argv[2:])
+        ProgressTracker(dht, sys.argv[1], target_batch_size=10**6, start=True).report_local_progress(0, 1)
+        time.sleep(100)
+        """), run, *peers])
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    opt = None
+    try:
+        opt = adapter.optimizer_class()(
+            dht=dht, run_id=run, target_batch_size=3, batch_size_per_step=1, params=params,
+            optimizer=lambda q: torch.optim.SGD(q, lr=0.1), matchmaking_time=1.0, averaging_timeout=3.0,
+            averager_opts={**adapter.averager_options(group_size=2), "request_timeout": 0.5},
+            tracker_opts={"max_refresh_period": 0.5}, verbose=False, schedule_gradient_rounds=False)
+        params[0].grad = torch.ones(1)
+        opt.step()  # 2 of the round's 3 samples: this member's and the other's
+        deadline = time.monotonic() + 60
+        while opt.tracker.global_progress.num_peers < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        params[0].grad = torch.ones(1)
+        opt.step()  # the round is due: it looks for its group, and the optimizer gives up on it
+        assert opt.local_epoch == 1
+        control = opt.scheduled_grads
+        assert control is not None  # the round this member took alone
+        gave_up = time.monotonic()
+        while not control.done() and time.monotonic() - gave_up < 5:
+            time.sleep(0.1)
+        assert control.done() and control.stage == AveragingStage.FINISHED, control.stage
+    finally:
+        other.kill()
+        other.wait()
         if opt is not None:
             opt.shutdown()
         dht.shutdown()
