@@ -39,6 +39,7 @@ from gpuswarm.proto.models import (
     JobSpec,
     NodeRegistration,
     NodeState,
+    Progress,
     Resources,
     RoundReport,
 )
@@ -113,6 +114,10 @@ class NodeDaemon:
         self._endpoints_checked = time.monotonic()
         self._stop_mesh = asyncio.Event()
         self._failures: list[AssignmentFailure] = []
+        # The last progress of jobs whose training process ended well, for the next heartbeat: it goes out before
+        # the final model, which ends the job (a job that ends in its first round has no other progress, and its
+        # training process may be gone before the heartbeat that would have carried it from `runner.running`).
+        self._ended: list[Progress] = []
         self._claimed: dict[str, int] = {}  # job -> the highest epoch of its round reports the coordinator took
         self._uploads: list[PendingUpload] = []
         self._seen_assignments: set[int] = set()  # never restart an assignment that already ran here
@@ -268,6 +273,8 @@ class NodeDaemon:
     def _collect_exits(self) -> None:
         for job, code in self.runner.exited():
             job_id = job.assignment.job_id
+            if code == 0 and (last := reportable(job.history, self._claimed.get(job_id))) is not None:
+                self._ended.append(last)
             self._claimed.pop(job_id, None)
             if job_id in self._stopping:
                 self._stopping.discard(job_id)
@@ -279,7 +286,9 @@ class NodeDaemon:
     async def _heartbeat(self) -> None:
         progress = [p for j in self.runner.running.values()
                     if (p := reportable(j.history, self._claimed.get(j.assignment.job_id))) is not None]
-        failures = list(self._failures)
+        # Jobs that ended before it went out too (a heartbeat carries up to 16 jobs' progress).
+        ended, failures = self._ended[:max(0, 16 - len(progress))], list(self._failures)
+        progress += ended
         try:
             rtts = self.mesh.peer_rtts() if self.mesh is not None else {}
             unreachable = self.mesh.unreachable_peers() if self.mesh is not None else []
@@ -306,6 +315,7 @@ class NodeDaemon:
             logger.info("coordinator reachable again")
         self.reachable = True
         self._failures = self._failures[len(failures):]
+        self._ended = self._ended[len(ended):]
         await self.advertiser.renew(answer.certificate)
         self.challenger.on_heartbeat(answer)  # runs in the background; a failure there is only logged
 
