@@ -133,8 +133,13 @@ def wait_for(lab: LocalSwarm, job_id: str, done, timeout: float, what: str) -> J
         if done(job):
             return job
         time.sleep(1.0)
-    tails = "\n".join(f"--- node-{i}\n{lab.log_tail(f'node-{i}', 12)}" for i in lab.nodes)
-    raise AssertionError(f"job {job_id} never {what} in {timeout:.0f}s: {job.state} {job.progress}\n{tails}")
+    tails = "\n".join(f"--- node-{i}\n{lab.log_tail(f'node-{i}', 8)}" for i in lab.nodes)
+    # Last, so that a report that keeps only an output's tail (CI's) keeps them: how each member's rounds went.
+    rounds = "\n".join(f"--- node-{i} worker\n" + "\n".join(
+        line[11:200] for line in lab.worker_log(i, job_id).splitlines()
+        if "gpuswarm.worker" in line and ("round" in line or "WARN" in line))[-2400:] for i in lab.nodes)
+    raise AssertionError(f"job {job_id} never {what} in {timeout:.0f}s: {job.state} {job.progress}\n{tails}\n"
+                         f"{rounds}")
 
 
 def cli(lab: LocalSwarm, *args: str) -> subprocess.CompletedProcess:
