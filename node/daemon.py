@@ -32,6 +32,7 @@ from gpuswarm.node.states import Facts, next_state
 from gpuswarm.node.trainer_link import Settings
 from gpuswarm.proto.dht import KEY_KIND
 from gpuswarm.proto.models import (
+    MAX_HEARTBEAT_PROGRESS,
     Assignment,
     AssignmentFailure,
     CheckpointRef,
@@ -286,8 +287,8 @@ class NodeDaemon:
     async def _heartbeat(self) -> None:
         progress = [p for j in self.runner.running.values()
                     if (p := reportable(j.history, self._claimed.get(j.assignment.job_id))) is not None]
-        # Jobs that ended before it went out too (a heartbeat carries up to 16 jobs' progress).
-        ended, failures = self._ended[:max(0, 16 - len(progress))], list(self._failures)
+        # Jobs that ended before it went out too, as many as the heartbeat has room for.
+        ended, failures = self._ended[:max(0, MAX_HEARTBEAT_PROGRESS - len(progress))], list(self._failures)
         progress += ended
         try:
             rtts = self.mesh.peer_rtts() if self.mesh is not None else {}

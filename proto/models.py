@@ -434,10 +434,13 @@ class AssignmentFailure(WireModel):
     reason: Annotated[str, StringConstraints(max_length=2000)]
 
 
+MAX_HEARTBEAT_PROGRESS = 16  # jobs' progress one heartbeat carries
+
+
 class Heartbeat(WireModel):
     node_id: NodeId
     state: NodeState
-    progress: list[Progress] = Field(default_factory=list, max_length=16)
+    progress: list[Progress] = Field(default_factory=list, max_length=MAX_HEARTBEAT_PROGRESS)
     failures: list[AssignmentFailure] = Field(default_factory=list, max_length=16)
     # Measured round-trip times to other nodes over the mesh: the matcher prefers close nodes for a job.
     peer_rtt_ms: dict[NodeId, Annotated[float, Field(ge=0, le=600_000, allow_inf_nan=False)]] = Field(
