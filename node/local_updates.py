@@ -173,6 +173,28 @@ def next_inner_steps(fixed: int | None, group: tuple[float, float] | None, own: 
     return agreed() or last_whole or choose_inner_steps(*(group or own))
 
 
+def group_samples(claims: Iterable[Mapping[str, Any]]) -> int:
+    """The samples a round's group trained on: the sum of its members' claimed samples (claim payloads)."""
+    return sum(n for claim in claims if isinstance(n := claim.get("samples"), int) and not isinstance(n, bool)
+               and n > 0)
+
+
+def swarm_samples_after(before: int, epochs: int, target: int, averaged: int | None = None,
+                        published: int | None = None) -> int:
+    """The samples the swarm has trained on once this member's epoch moved on by `epochs` from a count of
+    `before` (the data passes a stop rule's max_epochs counts).
+
+    A member that loaded the swarm's state from a peer takes what the others published on reaching that epoch
+    (`published`), never less than it had. Counting the epochs it skipped at its own round target would count them
+    at its inner steps, not theirs: seen in the demo, a member that had set 1000 inner steps while the others took
+    62 counted 96,000 samples for one skipped round, passed max_epochs and stopped the job short of its accuracy
+    target. Otherwise: the averaged round's samples (`averaged`, its group's claims; `target` for a round this
+    member took alone), and `target` for each further epoch."""
+    if published is not None:
+        return max(before, published)
+    return before + (target if averaged is None else averaged) + target * (epochs - 1)
+
+
 def group_pace(claims: Iterable[Mapping[str, Any]]) -> tuple[float, float] | None:
     """(step seconds, averaging seconds) of a round's group, from its members' claim payloads (what every member
     holds alike, so every member computes the same pace): the median member's seconds per step, and the least time

@@ -4,7 +4,8 @@ records through every peer's validators, and the waits that keep members in step
 hivemind's progress tracker seeing them, and a local-updates member holding after its share of a round. The record
 also carries the inner steps the member takes in its current round, so that a member that was not in the group's
 last round (it joined late, or its round failed) takes as many as the others (`agreed_steps`), and tells a member
-whose round failed whether any other has reached its epoch (`level_with`).
+whose round failed whether any other has reached its epoch (`level_with`) and, once it loaded that state, how many
+samples the swarm had trained on by then (`published_samples`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import base64
 import collections
 import contextlib
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -77,7 +79,8 @@ class Membership:
         # Mode "fedavg": the samples of this member's round (its own data's passes), published with its record so
         # that every member sets the round's total alike although the members' data differ in size.
         self.share = share
-        self.pace: tuple[int, int] | None = None  # (epoch, inner steps) of this member's current round
+        # (epoch, inner steps, the swarm's samples by then as this member counts them) of its current round
+        self.pace: tuple[int, int, int | None] | None = None
         self._place, self._shares, self._paces = (0, 1), {}, {}
         self._wake = threading.Event()
 
@@ -88,17 +91,18 @@ class Membership:
                                                                                 *(self.pace or ())]
         self.dht.store(self.key, subkey=self.node_id, value=value, expiration_time=get_dht_time() + MEMBER_TTL)
 
-    def members(self) -> dict[str, tuple[int | None, tuple[int, int] | None]]:
-        """The live members' ids, with the share and the (epoch, inner steps) each published (None: none)."""
+    def members(self) -> dict[str, tuple[int | None, tuple[int, int, int | None] | None]]:
+        """The live members' ids, with the share and the (epoch, inner steps, swarm samples) each published (None:
+        none)."""
         found = self.dht.get(self.key, latest=True)
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         members = {}
         for subkey, entry in entries.items():
             value = getattr(entry, "value", None)
-            value = value if isinstance(value, list | tuple) and len(value) in (2, 4) else [None, None]
+            value = value if isinstance(value, list | tuple) and len(value) in (2, 5) else [None, None]
             share = value[1] if _whole(value[1], 2**40) else None
-            pace = (value[2], value[3]) if len(value) == 4 and _whole(value[2], 2**62, least=0) and \
-                _whole(value[3], 10**6) else None
+            pace = (value[2], value[3], value[4] if _whole(value[4], 2**62, least=0) else None) \
+                if len(value) == 5 and _whole(value[2], 2**62, least=0) and _whole(value[3], 10**6) else None
             members[str(subkey)] = share, pace
         members[self.node_id] = self.share, self.pace
         return dict(sorted(members.items()))
@@ -110,24 +114,32 @@ class Membership:
         self._paces = {node: pace for node, (_, pace) in members.items() if pace is not None and node != self.node_id}
         return self._place
 
-    def publish_pace(self, epoch: int, inner_steps: int) -> None:
+    def publish_pace(self, epoch: int, inner_steps: int, swarm_samples: int | None = None) -> None:
         """Tell the others, with this member's record (refreshed now, from the helper thread), how many inner steps
-        it takes in the round of `epoch`."""
-        self.pace = epoch, inner_steps
+        it takes in the round of `epoch`, and how many samples the swarm had trained on when it reached that epoch
+        (what a member that loads this state counts on from: `published_samples`)."""
+        self.pace = epoch, inner_steps, swarm_samples
         self._wake.set()
 
     def agreed_steps(self, epoch: int) -> int | None:
         """The inner steps the other members published for the round of `epoch` (looked up now; the most common
         count, the larger on a tie), or None when none did."""
         self.look()
-        counts = collections.Counter(steps for e, steps in self._paces.values() if e == epoch)
+        counts = collections.Counter(steps for e, steps, _ in self._paces.values() if e == epoch)
         return max(counts, key=lambda steps: (counts[steps], steps)) if counts else None
+
+    def published_samples(self, epoch: int) -> int | None:
+        """The swarm's samples the other members counted on reaching `epoch` (the median: one member
+        that lies moves it no further than an honest one; looked up now), or None when none published that epoch."""
+        self.look()
+        found = [n for e, _, n in self._paces.values() if e == epoch and n is not None]
+        return int(statistics.median_low(found)) if found else None
 
     def level_with(self, epoch: int) -> bool:
         """Whether another member has published a round of `epoch` or later (looked up now): its state is as new as
         this member's, so a download from it is not refused as behind."""
         self.look()
-        return any(e >= epoch for e, _ in self._paces.values())
+        return any(e >= epoch for e, _, _ in self._paces.values())
 
     def round_samples(self, share: int) -> int:
         """The samples of a round across the live members, as last seen: the shares they published (`share`, this

@@ -311,10 +311,12 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         choose_inner_steps,
         first_round_estimate,
         group_pace,
+        group_samples,
         lands_on_inner,
         lone_round_steps,
         next_inner_steps,
         steps_to_target,
+        swarm_samples_after,
     )
     from gpuswarm.node.workloads.saved import flat_optimizer_state, load_checkpoint
     from gpuswarm.proto.models import Assignment
@@ -546,8 +548,10 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                         waited += mark - waiting
                 continue
             # An averaged step (or the state loaded from a peer) changed the parameters: the trainer takes them.
-            swarm_samples += optimizer.tracker.target_batch_size * (optimizer.local_epoch - last_epoch)
-            if local is not None:
+            own_target, loaded = optimizer.tracker.target_batch_size, False
+            if local is None:
+                swarm_samples = swarm_samples_after(swarm_samples, optimizer.local_epoch - last_epoch, own_target)
+            else:
                 group = rounds.get(last_epoch)
                 # A round this node took alone is never audited (no peer attested it): no evidence to keep.
                 if group is None or not group.solo:
@@ -570,11 +574,16 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                         logger.info("round of epoch %d was not averaged with the %d members: loading the swarm's "
                                     "state from a peer", last_epoch, count)
                         optimizer.load_state_from_peers()
+                        loaded = True
                     else:
                         logger.info("round of epoch %d was not averaged with the %d members, and none has reached "
                                     "epoch %d: keeping this node's state", last_epoch, count, optimizer.local_epoch)
                 local.restart()
                 round_start = True
+                averaged = None if group is None or group.solo else group_samples(c["payload"] for c in group.claims)
+                swarm_samples = swarm_samples_after(
+                    swarm_samples, optimizer.local_epoch - last_epoch, own_target, averaged,
+                    published=membership.published_samples(optimizer.local_epoch) if loaded else None)
                 # The pace of the group whose round just ended (its claims are for the epoch it ended), alike on
                 # every member, so that all take the same inner steps; this node's own timing when it was alone.
                 pace = group_pace(c["payload"] for c in group.claims) if group and group.group_size > 1 else None
@@ -586,7 +595,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                                                lambda: membership.agreed_steps(optimizer.local_epoch))
                 if whole:
                     last_whole = inner_steps
-                membership.publish_pace(optimizer.local_epoch, inner_steps)
+                membership.publish_pace(optimizer.local_epoch, inner_steps, swarm_samples)
                 logger.info("round of epoch %d (%d of %d members, group's pace %s; %.1f s waiting for the others, "
                             "%.1f s averaging): %d inner steps next", last_epoch, group.group_size if group else 1,
                             count, pace, waited, stepped - stepping, inner_steps)

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from gpuswarm.node.workloads.digits import digits_split
 from gpuswarm.node.workloads.saved import evaluate_builtin, read_model_file
 from gpuswarm.proto.api import ContributionSummary, JobDetail
 from gpuswarm.proto.models import JobSpec
@@ -78,6 +79,11 @@ def test_three_nodes_train_to_target_and_share_the_credit(swarm, tmp_path):
     for row in ledger.values():  # every node's work was attested by its round's peers and paid
         assert row.samples > 0 and row.steps > 0 and row.compute_seconds > 0 and row.paid > 0, row
         assert row.flagged == 0, row
+    # The data passes the job reports (what max_epochs counts) are the swarm's samples: the claims of the rounds
+    # averaged. A member that loaded a peer's state once counted the round it missed at its own inner steps, ten
+    # times the others', and stopped a demo job on max_epochs short of its target.
+    passes = sum(row.claimed_samples for row in ledger.values()) / len(digits_split()[0])
+    assert 0.5 * passes <= done.progress.epoch <= 1.5 * passes, (done.progress, passes)
 
     model = tmp_path / "model.pt"
     swarm.client.download_artifact(job.id, "model.pt", model)

@@ -23,11 +23,13 @@ from gpuswarm.node.local_updates import (
     choose_inner_steps,
     first_round_estimate,
     group_pace,
+    group_samples,
     lands_on_inner,
     lone_inner_steps,
     lone_round_steps,
     next_inner_steps,
     steps_to_target,
+    swarm_samples_after,
 )
 from gpuswarm.proto.trainer import OptimizerSpec
 from hivemind.utils.crypto import RSAPrivateKey
@@ -282,6 +284,25 @@ def test_the_pace_of_a_group_and_what_it_ignores():
     assert group_pace([{"steps": 0, "compute_seconds": 1.0, "window_start": 0.0, "window_end": 1.0},
                        {"steps": 5, "compute_seconds": float("nan"), "window_start": 0.0, "window_end": 1.0},
                        {"steps": "5", "compute_seconds": 1.0}]) is None
+
+
+def test_a_member_that_loaded_the_swarms_state_counts_the_samples_the_others_published():
+    # The demo's failure: the others took 62 inner steps a round (3 members, batch 32: 5,952 samples); this member
+    # had set 1000 (96,000), missed a round and loaded the state of epoch 3 from a peer.
+    assert swarm_samples_after(11_904, 1, 96_000, published=17_856) == 17_856
+    assert swarm_samples_after(11_904, 1, 96_000) == 107_904  # what it counted before: past 60 passes of 1,437
+    assert swarm_samples_after(20_000, 2, 96_000, published=17_856) == 20_000  # never fewer than it had
+    # An averaged round counts its group's claims, each further epoch (none here) the target.
+    claims = [{"samples": 1984}, {"samples": 1984}, {"samples": 2016}, {"samples": True}, {"samples": -5}, {}]
+    assert group_samples(claims) == 5984
+    assert swarm_samples_after(100, 1, 96_000, averaged=group_samples(claims)) == 6084
+    assert swarm_samples_after(100, 3, 50, averaged=10) == 210
+
+
+@given(before=st.integers(0, 10**9), epochs=st.integers(1, 50), target=st.integers(1, 10**6),
+       averaged=st.none() | st.integers(0, 10**7), published=st.none() | st.integers(0, 10**10))
+def test_the_swarms_count_of_samples_never_goes_back(before, epochs, target, averaged, published):
+    assert swarm_samples_after(before, epochs, target, averaged, published) >= before
 
 
 @given(n=st.integers(1, 1000), computes=st.lists(st.floats(1e-3, 1e4), min_size=1, max_size=8),
