@@ -72,7 +72,8 @@ EVENT_PREFIX = "@gpuswarm "
 PARENT_PID_ENV = "GPUSWARM_PARENT_PID"
 THREADS_ENV = "GPUSWARM_TORCH_THREADS"  # torch threads for this job's worker and trainer (set by the runner)
 SPARE_FLAG = "--spare"  # the worker's only argument when it starts as a spare (`wait_as_spare`)
-# What `run` imports besides torch and hivemind (0.9 CPU-seconds), loaded by a spare before its job.
+# What `run` imports besides torch and hivemind (0.25 CPU-seconds; 0.9 while it pulled in scikit-learn), loaded
+# by a spare before its job.
 SPARE_IMPORTS = ("gpuswarm.dht.swarm", "gpuswarm.dht.validators", "gpuswarm.node.attest", "gpuswarm.node.evidence",
                  "gpuswarm.node.local_updates", "gpuswarm.node.workloads.saved", "gpuswarm.proto.trainer",
                  "gpuswarm.sdk.loader", "gpuswarm.node.sandbox")

@@ -2,8 +2,9 @@
 
 The coordinator rejects a job whose workload is not listed here, and normalises its hyper-parameters with the
 workload's schema (both through `proto.models.JobSpec`); the node's training process runs each listed workload.
-Adding a workload means a schema here and a `gpuswarm.sdk.Workload` subclass in `gpuswarm.node.workloads.BUILTINS`
-whose `Params` is that schema (this module stays free of torch, so the coordinator and the CLI can import it).
+Adding a workload means a schema here and a `gpuswarm.sdk.Workload` subclass, listed in
+`gpuswarm.node.workloads.BUILTINS`, whose `Params` is that schema (this module stays free of torch, so the
+coordinator and the CLI can import it).
 Field names `batch_size`, `target_batch_size`, `learning_rate`, `matchmaking_time` and `averaging_timeout` are the
 swarm settings the node reads from any workload's params. Schemas are strict
 (`proto.strict.OwnerModel`): an unknown hyper-parameter or a wrong type ("64" for an int) is an error naming it.

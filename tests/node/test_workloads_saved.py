@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from gpuswarm.node.cli import node_app
-from gpuswarm.node.workloads import DigitsMLP
+from gpuswarm.node.workloads.digits import DigitsMLP
 from gpuswarm.node.workloads.saved import (
     MODEL_FORMAT,
     evaluate_builtin,
