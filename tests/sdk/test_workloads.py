@@ -10,13 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gpuswarm.node.workloads import BUILTINS, resolve_builtin
-from gpuswarm.node.workloads.digits import DigitsMLP
+from gpuswarm.node.workloads.digits import DigitsMLP, bundled_digits, stratified_split
 from gpuswarm.proto.workloads import WORKLOADS
 from gpuswarm.sdk import Context, Shard, Workload
 from gpuswarm.sdk.loader import WorkloadError, import_entrypoint, params_dict, validate_params
+from hypothesis import given
+from hypothesis import strategies as st
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINYLM = ("tinylm.workload:TinyLM", EXAMPLES / "tinylm")
@@ -88,6 +91,42 @@ def test_a_trainer_for_owner_code_never_imports_what_only_a_builtin_needs(python
     # scikit-learn with scipy (digits-mlp's data) was a third of every trainer's imports: 2 CPU-seconds.
     out = subprocess.run([sys.executable, "-c", OWNER_CODE_START, str(EXAMPLES / "tinylm"), str(python_files),
                           str(tmp_path), json.dumps(TINY_LM_PARAMS)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == []
+
+
+def test_digits_are_scikit_learns_and_the_split_is_fixed_and_stratified():
+    from sklearn.datasets import load_digits
+
+    x, y = bundled_digits()
+    sk_x, sk_y = load_digits(return_X_y=True)
+    assert np.array_equal(x, sk_x) and np.array_equal(y, sk_y)
+    train, test = stratified_split(y, 0.2, seed=0)
+    assert len(test) == 360 and len(train) == 1437
+    assert sorted(np.concatenate([train, test]).tolist()) == list(range(len(y)))  # disjoint, covering
+    for label, count in zip(*np.unique(y, return_counts=True), strict=True):
+        assert abs((y[test] == label).sum() - 0.2 * count) < 1  # each digit's share of the test split
+    again = stratified_split(y, 0.2, seed=0)
+    assert np.array_equal(train, again[0]) and np.array_equal(test, again[1])
+    assert not np.array_equal(test, stratified_split(y, 0.2, seed=1)[1])
+
+
+@given(labels=st.lists(st.integers(0, 5), min_size=1, max_size=300), fraction=st.floats(0.01, 0.99),
+       seed=st.integers(0, 2**32 - 1))
+def test_a_stratified_split_partitions_the_samples_in_proportion(labels, fraction, seed):
+    y = np.array(labels)
+    train, test = stratified_split(y, fraction, seed)
+    assert len(test) == math.ceil(fraction * len(y))
+    assert sorted(np.concatenate([train, test]).tolist()) == list(range(len(y)))
+    for label, count in zip(*np.unique(y, return_counts=True), strict=True):
+        assert abs((y[test] == label).sum() - count * len(test) / len(y)) < 1
+
+
+def test_a_digits_trainer_never_imports_scikit_learn():
+    code = ("import json, sys; from gpuswarm.node.workloads import resolve_builtin; "
+            "from gpuswarm.node.workloads.digits import digits_split; resolve_builtin('digits-mlp'); digits_split(); "
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'sklearn', 'scipy'})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == []
 
