@@ -316,6 +316,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         lands_on_inner,
         lone_round_steps,
         next_inner_steps,
+        round_steps_cap,
         steps_to_target,
         swarm_samples_after,
     )
@@ -401,6 +402,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         step_seconds = 0.0
         round_seconds = first_round_estimate(sum(shared.sizes), hello.matchmaking_time, members)
         inner_steps = choose_inner_steps(1.0, round_seconds, fixed_steps)
+        most = round_steps_cap(hello.train_size, hello.batch_size, spec.max_nodes)  # a round's steps at most
         last_whole: int | None = None  # the count chosen after the last round that held every member
         last_evaluation = None  # (samples, metrics) at this member's last evaluation
         target_near = False  # a lone member's round was cut short by the line to the target (lone_round_steps)
@@ -593,7 +595,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                 # that took different counts would never meet again.
                 whole = (group.group_size if group else 1) >= count
                 inner_steps = next_inner_steps(fixed_steps, pace, (step_seconds, round_seconds), whole, last_whole,
-                                               lambda: membership.agreed_steps(optimizer.local_epoch))
+                                               lambda: membership.agreed_steps(optimizer.local_epoch), most)
                 if whole:
                     last_whole = inner_steps
                 membership.publish_pace(optimizer.local_epoch, inner_steps, swarm_samples)

@@ -119,4 +119,5 @@ class DigitsMLP(Workload):
         x_test, y_test = self._test_on[device]
         logits = model(x_test).float()
         return {"loss": torch.nn.functional.cross_entropy(logits, y_test).item(),
-                "accuracy": (logits.argmax(dim=1) == y_test).float().mean().item()}
+                # Counted, then divided in Python: a float32 mean made 342 of 360 right 0.94999999, short of 0.95.
+                "accuracy": (logits.argmax(dim=1) == y_test).sum().item() / len(y_test)}

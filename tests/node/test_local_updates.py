@@ -17,6 +17,7 @@ from gpuswarm.node.local_updates import (
     MAX_INNER_STEPS,
     MAX_ROUND_COMPUTE,
     MAX_ROUND_GROWTH,
+    MAX_ROUND_PASSES,
     MIN_INNER_STEPS,
     MIN_ROUND_COMPUTE,
     LocalUpdates,
@@ -28,6 +29,7 @@ from gpuswarm.node.local_updates import (
     lone_inner_steps,
     lone_round_steps,
     next_inner_steps,
+    round_steps_cap,
     steps_to_target,
     swarm_samples_after,
 )
@@ -240,6 +242,29 @@ def test_next_inner_steps_a_fixed_count_wins_and_a_newcomer_takes_the_published_
         assert h == lone_inner_steps(own[0])
     else:
         assert h == (agreed or choose_inner_steps(*(group or own)))
+
+
+def test_a_round_of_several_members_takes_at_most_eight_passes_over_a_members_share():
+    # The digits demo: 1,437 training images over 3 members, batches of 32. Its steps took a few milliseconds, so
+    # rounds were MAX_INNER_STEPS long (67 passes over each member's share).
+    assert round_steps_cap(1437, 32, 3) == 120 == math.ceil(MAX_ROUND_PASSES * 1437 / 3 / 32)
+    assert round_steps_cap(1437, 32, 1) is None  # one node averages nothing: its rounds are only evaluations
+    assert round_steps_cap(None, 32, 3) is None and round_steps_cap(0, 32, 3) is None  # no train_size
+    assert round_steps_cap(10, 32, 8) == MIN_INNER_STEPS
+    fast = (0.004, 0.9)  # the demo's pace: 4 ms a step, 0.9 s of averaging
+    assert next_inner_steps(None, fast, fast, True, None, lambda: None) == MAX_INNER_STEPS
+    assert next_inner_steps(None, fast, fast, True, None, lambda: None, most=120) == 120
+    assert next_inner_steps(None, None, fast, False, None, lambda: 500, most=120) == 120
+    assert next_inner_steps(None, None, fast, True, None, lambda: None, most=120) == lone_inner_steps(0.004)
+    assert next_inner_steps(700, fast, fast, True, None, lambda: None, most=120) == 700  # the job's own count
+
+
+@given(group=st.none() | paces, own=paces, whole=st.booleans(), last=st.none() | st.integers(1, 1000),
+       agreed=st.none() | st.integers(1, 1000), most=st.integers(MIN_INNER_STEPS, 5000))
+def test_no_round_of_several_members_passes_the_cap(group, own, whole, last, agreed, most):
+    h = next_inner_steps(None, group, own, whole, last, lambda: agreed, most)
+    assert h == next_inner_steps(None, group, own, whole, last, lambda: agreed) if whole and not group \
+        else h == min(most, next_inner_steps(None, group, own, whole, last, lambda: agreed))
 
 
 @given(pace=paces, own=paces, last=st.integers(1, 1000))
