@@ -3,8 +3,9 @@
 Owns, for one training process: the worker's view of this node's inner parameters (the sandboxed trainer takes the
 inner steps with the workload's own optimizer, on the job's device, and hands the parameters back every few seconds
 of them: `INNER_CHUNK_SECONDS`), the pseudo-gradient handed to `hivemind.Optimizer` (which holds the anchor, i.e.
-the swarm's parameters, and steps it with the outer SGD on the swarm's average), and the choice of how many inner
-steps a round takes.
+the swarm's parameters, and steps it with the outer SGD on the swarm's average), the choice of how many inner
+steps a round takes, and the count of the swarm's samples that a stop rule's `max_epochs` reads
+(`swarm_samples_after`, which mode "sync" uses too).
 
 How the pseudo-gradient reaches hivemind 1.1.12 unchanged: its gradient averager sums what `.grad` holds at each
 `step(batch_size=b)` call, scaled by b / (the epoch's first b) (optim/grad_averager.py:146-148), and divides the

@@ -99,10 +99,13 @@ class Membership:
         members = {}
         for subkey, entry in entries.items():
             value = getattr(entry, "value", None)
-            value = value if isinstance(value, list | tuple) and len(value) in (2, 5) else [None, None]
+            # [time, share] or [time, share, epoch, steps, swarm samples]; [time, share, epoch, steps] from an
+            # earlier version, which counted no samples.
+            value = value if isinstance(value, list | tuple) and len(value) in (2, 4, 5) else [None, None]
             share = value[1] if _whole(value[1], 2**40) else None
-            pace = (value[2], value[3], value[4] if _whole(value[4], 2**62, least=0) else None) \
-                if len(value) == 5 and _whole(value[2], 2**62, least=0) and _whole(value[3], 10**6) else None
+            counted = value[4] if len(value) == 5 and _whole(value[4], 2**62, least=0) else None
+            pace = (value[2], value[3], counted) if len(value) >= 4 and _whole(value[2], 2**62, least=0) and \
+                _whole(value[3], 10**6) else None
             members[str(subkey)] = share, pace
         members[self.node_id] = self.share, self.pace
         return dict(sorted(members.items()))
@@ -129,8 +132,9 @@ class Membership:
         return max(counts, key=lambda steps: (counts[steps], steps)) if counts else None
 
     def published_samples(self, epoch: int) -> int | None:
-        """The swarm's samples the other members counted on reaching `epoch` (the median: one member
-        that lies moves it no further than an honest one; looked up now), or None when none published that epoch."""
+        """The swarm's samples the other members counted on reaching `epoch` (looked up now; the lower median, so
+        among three or more that publish, one that lies cannot move it past the honest ones), or None when none
+        published that epoch."""
         self.look()
         found = [n for e, _, n in self._paces.values() if e == epoch and n is not None]
         return int(statistics.median_low(found)) if found else None

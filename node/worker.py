@@ -402,7 +402,11 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
         step_seconds = 0.0
         round_seconds = first_round_estimate(sum(shared.sizes), hello.matchmaking_time, members)
         inner_steps = choose_inner_steps(1.0, round_seconds, fixed_steps)
-        most = round_steps_cap(hello.train_size, hello.batch_size, spec.max_nodes)  # a round's steps at most
+        # A round's steps at most; none on node-local data (federated), whose train_size is this node's alone.
+        most = None if spec.local_dataset is not None else round_steps_cap(hello.train_size, hello.batch_size,
+                                                                            spec.max_nodes)
+        if most is not None and fixed_steps is None:
+            inner_steps = min(inner_steps, most)
         last_whole: int | None = None  # the count chosen after the last round that held every member
         last_evaluation = None  # (samples, metrics) at this member's last evaluation
         target_near = False  # a lone member's round was cut short by the line to the target (lone_round_steps)
@@ -551,7 +555,7 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                         waited += mark - waiting
                 continue
             # An averaged step (or the state loaded from a peer) changed the parameters: the trainer takes them.
-            own_target, loaded = optimizer.tracker.target_batch_size, False
+            own_target = optimizer.tracker.target_batch_size
             if local is None:
                 swarm_samples = swarm_samples_after(swarm_samples, optimizer.local_epoch - last_epoch, own_target)
             else:
@@ -577,16 +581,18 @@ def run(assignment: dict, host: str, workdir: Path, stop: threading.Event, setti
                         logger.info("round of epoch %d was not averaged with the %d members: loading the swarm's "
                                     "state from a peer", last_epoch, count)
                         optimizer.load_state_from_peers()
-                        loaded = True
                     else:
                         logger.info("round of epoch %d was not averaged with the %d members, and none has reached "
                                     "epoch %d: keeping this node's state", last_epoch, count, optimizer.local_epoch)
                 local.restart()
                 round_start = True
-                averaged = None if group is None or group.solo else group_samples(c["payload"] for c in group.claims)
+                # An averaged round: its group's claims, never more than the round's target (a groupmate's claim
+                # is its own word). Otherwise what the others counted at this epoch, when any got there.
+                alone = group is None or group.solo
+                averaged = None if alone else min(own_target, group_samples(c["payload"] for c in group.claims))
                 swarm_samples = swarm_samples_after(
                     swarm_samples, optimizer.local_epoch - last_epoch, own_target, averaged,
-                    published=membership.published_samples(optimizer.local_epoch) if loaded else None)
+                    published=membership.published_samples(optimizer.local_epoch) if alone and count > 1 else None)
                 # The pace of the group whose round just ended (its claims are for the epoch it ended), alike on
                 # every member, so that all take the same inner steps; this node's own timing when it was alone.
                 pace = group_pace(c["payload"] for c in group.claims) if group and group.group_size > 1 else None

@@ -242,8 +242,9 @@ class TrainingOptions(OwnerModel):
     swarm moves to the average of its members' parameters) measured best on tinylm at tens of inner steps, and a
     lone node then trains exactly as one process would; DiLoCo's published 0.7 and 0.9 are for hundreds. Left
     unset, `inner_steps` is chosen by each node from the step and round times it measures, so that averaging takes
-    about a quarter of a round, and at most 8 passes over a node's share of the data when the workload gives its
-    `train_size`. "sync": one averaged gradient step per `target_batch_size` samples across the swarm
+    about a quarter of a round, and, in a job that may have several nodes, at most 8 passes over a node's share of
+    the data (`train_size` / `max_nodes`, when the workload gives its `train_size`).
+    "sync": one averaged gradient step per `target_batch_size` samples across the swarm
     (plain data parallel, as one machine with that batch would train). "fedavg" (federated averaging, for a job on
     node-local data, `JobSpec.local_dataset`): every node trains `local_epochs` passes over its own data (or
     `inner_steps` steps), then the swarm takes the members' parameters averaged, weighted by the samples each

@@ -50,12 +50,17 @@ def test_records_of_the_wrong_shape_are_neither_shares_nor_paces(dht):
     fed.publish_pace(0, 25)  # epoch 0 is a round like any other
     fed.refresh()
     for name, value in (("node-x", ["x", None, "3", True]), ("node-y", [1.0, -5, -1, 10**9]),
-                        ("node-z", {"steps": 4}), ("node-w", [1.0, 2**41, 3, 0, 5]), ("node-v", [1.0, None, 3, 10])):
+                        ("node-z", {"steps": 4}), ("node-w", [1.0, 2**41, 3, 0, 5]),
+                        ("node-v", [1.0, None, 3, 10, 7, 8])):
         dht.store("run-m.members", subkey=name, value=value, expiration_time=get_dht_time() + MEMBER_TTL)
     time.sleep(0.1)
     assert me.agreed_steps(0) == 25
     found = me.members()
     assert found["node-fed"] == (640, (0, 25, None))
+    dht.store("run-m.members", subkey="node-old", value=[1.0, 320, 4, 30],  # an earlier version's record
+              expiration_time=get_dht_time() + MEMBER_TTL)
+    time.sleep(0.1)
+    assert me.members()["node-old"] == (320, (4, 30, None))
     assert all(found[name] == (None, None) for name in ("node-x", "node-y", "node-z", "node-w", "node-v"))
 
 
