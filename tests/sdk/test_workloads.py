@@ -87,12 +87,17 @@ print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"sklearn", "sc
 """
 
 
+def builtin_libraries_imported(code: str, *args: str) -> list[str]:
+    """Run `code` in a Python process of its own; the libraries of digits-mlp's data it printed as imported."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def test_a_trainer_for_owner_code_never_imports_what_only_a_builtin_needs(python_files, tmp_path):
     # scikit-learn with scipy (digits-mlp's data) was a third of every trainer's imports: 2 CPU-seconds.
-    out = subprocess.run([sys.executable, "-c", OWNER_CODE_START, str(EXAMPLES / "tinylm"), str(python_files),
-                          str(tmp_path), json.dumps(TINY_LM_PARAMS)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.splitlines()[-1]) == []
+    assert builtin_libraries_imported(OWNER_CODE_START, str(EXAMPLES / "tinylm"), str(python_files), str(tmp_path),
+                                      json.dumps(TINY_LM_PARAMS)) == []
 
 
 def test_digits_are_scikit_learns_and_the_split_is_fixed_and_stratified():
@@ -126,9 +131,7 @@ def test_a_digits_trainer_never_imports_scikit_learn():
     code = ("import json, sys; from gpuswarm.node.workloads import resolve_builtin; "
             "from gpuswarm.node.workloads.digits import digits_split; resolve_builtin('digits-mlp'); digits_split(); "
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'sklearn', 'scipy'})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.splitlines()[-1]) == []
+    assert builtin_libraries_imported(code) == []
 
 
 def test_digits_shards_are_disjoint_and_cover_the_training_set(tmp_path):
